@@ -1,0 +1,62 @@
+"""Train a byte-level BPE tokenizer offline and save it as a Hugging Face tokenizer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+USER, ASSISTANT, SYSTEM, END = "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"
+SPECIAL_TOKENS = [PAD, BOS, EOS, USER, ASSISTANT, SYSTEM, END]
+
+# Each turn is "<|role|>\n{content}<|end|>\n"; generation is prompted with "<|assistant|>\n"
+# and stops at <|end|> (declared as an end-of-sequence token in generation_config.json).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE over `texts`; deterministic for the same texts and size."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    # Like Llama's tokenizer: encoding with special tokens prepends BOS.
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B",
+        special_tokens=[(BOS, tok.token_to_id(BOS))])
+    return tok
+
+
+def save_hf_tokenizer(tok: Tokenizer, out_dir: Path, model_max_length: int) -> None:
+    """Write tokenizer.json + tokenizer_config.json (with the chat template) to `out_dir`."""
+    from transformers import PreTrainedTokenizerFast
+
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        additional_special_tokens=[USER, ASSISTANT, SYSTEM, END],
+        model_max_length=model_max_length,
+        chat_template=CHAT_TEMPLATE,
+        add_bos_token=True,
+    )
+    hf_tok.save_pretrained(out_dir)
+
+
+def special_token_ids(tok: Tokenizer) -> dict[str, int]:
+    return {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}

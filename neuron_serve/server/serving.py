@@ -1,0 +1,128 @@
+"""Completions: OpenAI request → vLLM SamplingParams → engine → OpenAI response.
+
+Engine-agnostic: works with any vLLM `EngineClient` (AsyncLLM in production).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+
+from vllm import SamplingParams
+from vllm.engine.protocol import EngineClient
+from vllm.inputs import TokensPrompt
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import RequestOutputKind
+from vllm.utils.async_utils import merge_async_iterators
+
+from neuron_serve.server.errors import ServerError
+from neuron_serve.server.protocol import (CompletionChoice, CompletionRequest,
+                                          CompletionResponse, Usage)
+
+
+class CompletionService:
+    def __init__(self, engine: EngineClient, served_names: list[str]):
+        self.engine = engine
+        self.served_names = served_names
+        self.max_model_len = engine.model_config.max_model_len
+        self.tokenizer = engine.get_tokenizer()
+
+    def check_model(self, name: str) -> None:
+        if name not in self.served_names:
+            raise ServerError(f"model {name!r} does not exist; this server serves "
+                              f"{self.served_names}", HTTPStatus.NOT_FOUND, "model")
+
+    def prompt_token_ids(self, prompt: str | list) -> list[list[int]]:
+        """The four prompt forms OpenAI accepts, as token-id lists."""
+        if isinstance(prompt, str):
+            prompts = [prompt]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise ServerError("prompt must not be empty", param="prompt")
+        return [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
+
+    def sampling_params(self, req: CompletionRequest, prompt_len: int) -> SamplingParams:
+        max_tokens = req.max_tokens or self.max_model_len - prompt_len
+        if prompt_len + max_tokens > self.max_model_len:
+            raise ServerError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the "
+                f"prompt has {prompt_len} and max_tokens asks for {max_tokens} more. Shorten "
+                "the prompt or lower max_tokens.", param="max_tokens")
+        bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
+        return SamplingParams(
+            n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+            min_p=req.min_p, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty, max_tokens=max_tokens,
+            min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, logit_bias=bias or None,
+            skip_special_tokens=req.skip_special_tokens,
+            output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
+        )
+
+    def _generate(self, req: CompletionRequest, request_id: str) -> tuple[list[list[int]], AsyncIterator]:
+        self.check_model(req.model)
+        prompts = self.prompt_token_ids(req.prompt)
+        try:
+            streams = [self.engine.generate(TokensPrompt(prompt_token_ids=ids),
+                                            self.sampling_params(req, len(ids)),
+                                            f"{request_id}-{i}")
+                       for i, ids in enumerate(prompts)]
+        except ValueError as exc:
+            raise ServerError(str(exc)) from exc
+        return prompts, merge_async_iterators(*streams)
+
+    async def complete(self, req: CompletionRequest, request_id: str) -> CompletionResponse:
+        prompts, merged = self._generate(req, request_id)
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async for i, out in merged:
+                finals[i] = out
+        except ValueError as exc:
+            raise ServerError(str(exc)) from exc
+        choices, completion_tokens = [], 0
+        for i in range(len(prompts)):
+            prefix = self.tokenizer.decode(prompts[i]) if req.echo else ""
+            for c in finals[i].outputs:
+                completion_tokens += len(c.token_ids)
+                choices.append(CompletionChoice(
+                    index=i * req.n + c.index, text=prefix + c.text, finish_reason=c.finish_reason,
+                    **self._token_ids(req, prompts[i], c.token_ids)))
+        prompt_tokens = sum(map(len, prompts))
+        return CompletionResponse(
+            id=request_id, model=req.model, choices=sorted(choices, key=lambda c: c.index),
+            usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                        total_tokens=prompt_tokens + completion_tokens))
+
+    @staticmethod
+    def _token_ids(req: CompletionRequest, prompt: list[int], output) -> dict:
+        if not req.return_token_ids:
+            return {}
+        return {"prompt_token_ids": prompt, "token_ids": list(output)}
+
+    async def stream(self, req: CompletionRequest, request_id: str) -> AsyncIterator[str]:
+        """Server-sent events; raising before the first event lets the route answer 4xx."""
+        prompts, merged = self._generate(req, request_id)
+        return self._events(req, request_id, prompts, merged)
+
+    async def _events(self, req, request_id, prompts, merged) -> AsyncIterator[str]:
+        echoed: set[int] = set()
+        try:
+            async for i, out in merged:
+                for c in out.outputs:
+                    index = i * req.n + c.index
+                    text = c.text
+                    if req.echo and index not in echoed:
+                        echoed.add(index)
+                        text = self.tokenizer.decode(prompts[i]) + text
+                    choice = CompletionChoice(index=index, text=text, finish_reason=c.finish_reason,
+                                              **self._token_ids(req, prompts[i], c.token_ids))
+                    chunk = CompletionResponse(id=request_id, model=req.model, choices=[choice])
+                    yield f"data: {chunk.model_dump_json()}\n\n"
+        except Exception as exc:  # headers are sent; report in-band (DESIGN §6)
+            msg = str(exc) if isinstance(exc, (ValueError, ServerError)) else "internal server error"
+            yield f"data: {json.dumps({'error': {'message': msg, 'type': 'server_error'}})}\n\n"
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,97 @@
+"""Shared fixtures: tiny checkpoints built once per session, and real servers on real ports."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from neuron_serve.models.tiny import FAMILIES, write_checkpoint
+
+REPO = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent
+SERVER_START_TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """One tiny random-weight checkpoint per family, written once per test session."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {family: write_checkpoint(family, root / family, seed=0) for family in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(checkpoints) -> Path:
+    return checkpoints["llama"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunningServer:
+    """A server process started from a command line, reachable at `base_url`."""
+
+    def __init__(self, cmd: list[str], port: int, log_path: Path, cwd: Path = REPO):
+        self.port, self.log_path = port, log_path
+        self.base_url = f"http://127.0.0.1:{port}"
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def wait_healthy(self, timeout: float = SERVER_START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"server not healthy after {timeout}s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+
+def start_server(cmd: list[str], port: int, log_path: Path) -> RunningServer:
+    server = RunningServer(cmd, port, log_path)
+    try:
+        server.wait_healthy()
+    except Exception:
+        server.stop()
+        raise
+    return server
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_llama, tmp_path_factory) -> Iterator[RunningServer]:
+    """`neuron-serve serve` on the tiny Llama checkpoint, served as `tiny`."""
+    port = free_port()
+    cmd = [str(VENV_BIN / "neuron-serve"), "serve", str(tiny_llama), "--port", str(port),
+           "--served-model-name", "tiny", "--max-model-len", "512", "--enforce-eager"]
+    server = start_server(cmd, port, tmp_path_factory.mktemp("logs") / "tiny_server.log")
+    yield server
+    server.stop()

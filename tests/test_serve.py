@@ -1,0 +1,84 @@
+"""`neuron-serve serve` on a real port, queried with the official `openai` client.
+
+Oracle: Transformers' greedy generation on the same checkpoint.
+"""
+
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The return statement", "A list is a sequence of"]
+NEW_TOKENS = 12
+
+
+def hf_greedy(path, prompt: str, n: int) -> tuple[list[int], list[int]]:
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = tok(prompt, return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return ids[0].tolist(), out[0, ids.shape[1]:].tolist()
+
+
+@pytest.fixture(scope="module")
+def client(tiny_server):
+    return openai.OpenAI(base_url=f"{tiny_server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def test_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_tokens_match_transformers(client, tiny_llama, prompt):
+    prompt_ids, expected = hf_greedy(tiny_llama, prompt, NEW_TOKENS)
+    resp = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+        extra_body={"min_tokens": NEW_TOKENS, "return_token_ids": True})
+    choice = resp.choices[0]
+    assert choice.prompt_token_ids == prompt_ids
+    assert choice.token_ids == expected
+    assert choice.finish_reason == "length"
+    assert resp.usage.prompt_tokens == len(prompt_ids)
+    assert resp.usage.completion_tokens == NEW_TOKENS
+
+
+def test_stream_concatenates_to_the_same_text(client):
+    args = dict(model="tiny", prompt=PROMPTS[0], max_tokens=NEW_TOKENS, temperature=0,
+                extra_body={"min_tokens": NEW_TOKENS})
+    whole = client.completions.create(**args).choices[0].text
+    chunks = list(client.completions.create(stream=True, **args))
+    assert "".join(c.choices[0].text for c in chunks) == whole
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_batch_of_prompts_n_and_seed(client):
+    args = dict(model="tiny", prompt=PROMPTS, n=2, max_tokens=6, seed=7, temperature=1.0,
+                extra_body={"min_tokens": 6, "return_token_ids": True})
+    first, again = client.completions.create(**args), client.completions.create(**args)
+    assert sorted(c.index for c in first.choices) == [0, 1, 2, 3]
+    assert first.usage.completion_tokens == 4 * 6
+    tokens = [c.token_ids for c in sorted(first.choices, key=lambda c: c.index)]
+    assert tokens == [c.token_ids for c in sorted(again.choices, key=lambda c: c.index)]
+    assert tokens[0] != tokens[1]  # two samples of one prompt, not one sample twice
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="nope", prompt="x", max_tokens=1)
+    assert err.value.body["message"].startswith("model 'nope' does not exist")
+
+
+def test_prompt_longer_than_context_is_400_naming_the_limit(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny", prompt=[5] * 600, max_tokens=1)
+    assert "maximum context length is 512" in err.value.body["message"]
+
+
+def test_invalid_parameter_is_400_not_422(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny", prompt="x", max_tokens=1, temperature=5)
+    assert err.value.body["param"] == "temperature"
+    assert err.value.body["type"] == "invalid_request_error"
