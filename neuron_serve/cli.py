@@ -7,6 +7,8 @@ import asyncio
 import os
 import sys
 
+import torch
+
 from neuron_serve.models import DEMO_MODEL_DIR
 
 DEMO_NAME = "demo"
@@ -57,8 +59,8 @@ def _engine_args(args: argparse.Namespace):
     args.model = args.model_path
     if args.served_model_name is None and args.model_path == str(DEMO_MODEL_DIR):
         args.served_model_name = [DEMO_NAME]
-    if args.dtype == "auto":
-        args.dtype = device.emulated_compute_dtype()
+    if args.dtype == "auto":  # vLLM would pick bf16, which CPUs without native bf16 crawl at
+        args.dtype = str(device.current().compute_dtype(torch.bfloat16)).removeprefix("torch.")
     return AsyncEngineArgs.from_cli_args(args)
 
 

@@ -1,14 +1,91 @@
 """The only module that knows whether we run on Trainium (`neuron`) or emulate it on CPU.
 
-(Grows with the platform: torch device, compile backend, memory, kernel choice.)
+Everything above this module asks `current()` for a `Device` and never branches on the
+backend itself. The `neuron` branch is written against TorchNeuron (`torch_neuronx`) but
+has never run: no Trainium exists where this project is developed and tested.
 """
 
 from __future__ import annotations
 
 import functools
+import glob
+import importlib.util
 import logging
+from dataclasses import dataclass
+
+import torch
+
+from neuron_serve import envs
 
 logger = logging.getLogger(__name__)
+
+EMULATED_MEMORY_FRACTION = 0.25  # of physical RAM, unless NEURON_SERVE_EMULATED_MEMORY_GB
+
+
+@dataclass(frozen=True)
+class Device:
+    backend: str  # "neuron" or "emulated"
+    torch_device: torch.device
+    compile_backend: str  # torch.compile backend standing for the Neuron compiler
+    attention_kernel: str  # name in neuron_serve.attention.kernels' registry
+    native_bf16: bool
+
+    def compute_dtype(self, requested: torch.dtype) -> torch.dtype:
+        """The dtype to compute in: the requested one, except half precision on CPUs
+        without native bf16, where bf16 matmul runs ~200x slower than fp32 (DESIGN §3)."""
+        if requested in (torch.bfloat16, torch.float16) and not self.native_bf16:
+            _log_once(f"emulated backend computes in float32: this CPU has no native "
+                      f"bf16 (requested {requested})")
+            return torch.float32
+        return requested
+
+    def total_memory_bytes(self) -> int:
+        if self.backend == "emulated":
+            gib = envs.NEURON_SERVE_EMULATED_MEMORY_GB
+            return int(gib * 2**30) if gib else int(_physical_ram() * EMULATED_MEMORY_FRACTION)
+        return _neuron_memory_bytes()
+
+
+def hardware_present() -> bool:
+    """Trainium is usable: the SDK imports and the kernel driver exposes a device."""
+    return bool(glob.glob("/dev/neuron*")) and importlib.util.find_spec("torch_neuronx") is not None
+
+
+@functools.cache
+def current() -> Device:
+    backend = envs.NEURON_SERVE_BACKEND
+    if backend == "auto":
+        backend = "neuron" if hardware_present() else "emulated"
+    device = _neuron_device() if backend == "neuron" else _emulated_device()
+    logger.info("neuron-serve device backend: %s (compile backend %s)", device.backend,
+                device.compile_backend)
+    return device
+
+
+def _emulated_device() -> Device:
+    return Device(backend="emulated", torch_device=torch.device("cpu"),
+                  compile_backend="inductor", attention_kernel="reference",
+                  native_bf16=cpu_has_native_bf16())
+
+
+def _neuron_device() -> Device:
+    try:
+        import torch_neuronx  # noqa: F401  (registers the "neuron" device and compile backend)
+    except ImportError as exc:
+        raise RuntimeError(
+            "The neuron backend needs the AWS Neuron SDK, but `import torch_neuronx` failed "
+            f"({exc}). Install torch-neuronx from the Neuron SDK on a Trainium host, or run "
+            "the CPU emulation with NEURON_SERVE_BACKEND=emulated.") from exc
+    return Device(backend="neuron", torch_device=torch.device("neuron"),
+                  compile_backend="neuron", attention_kernel="reference", native_bf16=True)
+
+
+def _neuron_memory_bytes() -> int:
+    free_total = getattr(getattr(torch, "neuron", None), "mem_get_info", None)
+    if free_total is None:
+        raise RuntimeError("cannot read Neuron device memory (torch.neuron.mem_get_info is "
+                           "missing); pass --kv-cache-memory-bytes explicitly")
+    return int(free_total()[1])
 
 
 @functools.cache
@@ -21,9 +98,14 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def _physical_ram() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("MemTotal missing from /proc/meminfo")
+
+
 @functools.cache
-def emulated_compute_dtype() -> str:
-    """fp32 on CPUs without native bf16, where bf16 matmul runs ~200x slower (DESIGN §3)."""
-    dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
-    logger.info("emulated backend computes in %s (native bf16: %s)", dtype, cpu_has_native_bf16())
-    return dtype
+def _log_once(message: str) -> None:
+    logger.info(message)

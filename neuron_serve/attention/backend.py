@@ -1,0 +1,108 @@
+"""vLLM attention backend for the neuron platform: metadata, KV layout, forward.
+
+The model runner owns the per-bucket metadata (padded, persistent tensors updated in
+place, so each compiled graph is traced once); this backend only reads it. The kernels
+come from `kernels.get(device.attention_kernel)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl,
+                                       AttentionMetadataBuilder, AttentionType)
+from vllm.v1.kv_cache_interface import KVCacheLayout
+
+from neuron_serve import device
+from neuron_serve.attention import kernels
+
+BACKEND_NAME = "NEURON_PAGED_ATTN"
+
+
+@dataclass
+class NeuronAttentionMetadata:
+    """One step's attention inputs, padded to the step's bucket (t tokens, r requests,
+    b blocks). Padding tokens write into the null block and read only request 0's
+    first position; their outputs are discarded."""
+
+    slot_mapping: torch.Tensor  # [t] int64 KV slot of each token
+    token_req: torch.Tensor  # [t] int64 row of block_table each token belongs to
+    token_pos: torch.Tensor  # [t] int64 position of each token within its request
+    block_table: torch.Tensor  # [r, b] int64 block ids per request, null-padded
+
+
+class NeuronAttentionBackend(AttentionBackend):
+    forward_includes_kv_cache_update: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float32, torch.bfloat16, torch.float16]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float32", "bfloat16", "float16"]
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type[NeuronAttentionImpl]:
+        return NeuronAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[NeuronAttentionMetadataBuilder]:
+        return NeuronAttentionMetadataBuilder
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        # Token-major block interiors: one block is one contiguous [block_size, H, 2D] tile.
+        return (KVCacheLayout.LBNHC,)
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+
+class NeuronAttentionMetadataBuilder(AttentionMetadataBuilder[NeuronAttentionMetadata]):
+    """Present because vLLM's interface requires one; NeuronModelRunner builds the
+    metadata itself into per-bucket buffers, and vLLM's generic runners are not used."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        raise NotImplementedError("neuron attention metadata is built by NeuronModelRunner")
+
+
+class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
+    def __init__(self, num_heads: int, head_size: int, scale: float,
+                 num_kv_heads: int | None = None, alibi_slopes: list[float] | None = None,
+                 sliding_window: int | None = None, kv_cache_dtype: str = "auto",
+                 logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: str | None = None, sinks=None, **kwargs) -> None:
+        unsupported = {"ALiBi slopes": alibi_slopes is not None, "attention sinks": sinks is not None,
+                       "KV-cache sharing": kv_sharing_target_layer_name is not None,
+                       f"attention type {attn_type}": attn_type != AttentionType.DECODER}
+        if any(unsupported.values()):
+            names = [k for k, v in unsupported.items() if v]
+            raise NotImplementedError(f"neuron paged attention does not support {', '.join(names)}")
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, scale
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap or None
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kernels = kernels.get(device.current().attention_kernel)
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: NeuronAttentionMetadata | None,
+                output: torch.Tensor, output_scale=None, output_block_scale=None) -> torch.Tensor:
+        if attn_metadata is None:  # vLLM's dummy/profile passes: no KV cache bound yet
+            return output
+        md = attn_metadata
+        self.kernels.write_kv(kv_cache, key, value, md.slot_mapping)
+        out = self.kernels.ragged_paged_attention(
+            query, kv_cache, md.block_table, md.token_req, md.token_pos, self.scale,
+            self.sliding_window, self.logits_soft_cap)
+        output.copy_(out.view_as(output))
+        return output

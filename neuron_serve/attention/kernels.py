@@ -1,0 +1,89 @@
+"""Paged-attention kernels in plain PyTorch, traced by torch.compile into the step graph.
+
+KV cache layout (one tensor per layer, token-major, K and V side by side):
+
+    kv_cache[num_blocks, block_size, num_kv_heads, 2 * head_size]
+        [..., :head_size] = key,  [..., head_size:] = value
+    slot s = block_id * block_size + offset      (block 0 is vLLM's null block)
+
+A registry maps a kernel-set name to its implementation, so that a hardware kernel (NKI)
+can replace the reference one without touching the attention backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    write_kv: Callable[..., None]
+    ragged_paged_attention: Callable[..., torch.Tensor]
+
+
+def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store each token's key and value at its slot. Padding tokens carry slots inside the
+    null block, which no request reads."""
+    flat = kv_cache.view(-1, kv_cache.shape[2], kv_cache.shape[3])
+    flat.index_copy_(0, slot_mapping, torch.cat([key, value], dim=-1).to(flat.dtype))
+
+
+def ragged_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
+                           block_table: torch.Tensor, token_req: torch.Tensor,
+                           token_pos: torch.Tensor, scale: float,
+                           sliding_window: int | None = None,
+                           soft_cap: float | None = None) -> torch.Tensor:
+    """Causal attention of a flat ragged batch over the paged KV cache.
+
+    Token t belongs to request token_req[t] and sits at position token_pos[t]; it attends
+    to positions 0..token_pos[t] of its request (its own key already written), limited to
+    the last `sliding_window` positions when given. Prefill chunks, prefix-cached context
+    and decodes are the same case: only the positions differ.
+
+    Args:
+        query: [T, H, D] queries; H a multiple of the KV heads (grouped-query attention).
+        kv_cache: [num_blocks, block_size, H_kv, 2D] (module docstring).
+        block_table: [R, B] block ids of each request's context, in order.
+        token_req: [T] row of block_table for each token.
+        token_pos: [T] position of each token in its request.
+    Returns:
+        [T, H, D] attention output.
+    """
+    num_tokens, num_heads, head_size = query.shape
+    _, block_size, num_kv_heads, _ = kv_cache.shape
+    group = num_heads // num_kv_heads
+    blocks = block_table[token_req]  # [T, B]
+    ctx = kv_cache[blocks].flatten(1, 2)  # [T, B * block_size, H_kv, 2D]
+    key, value = ctx[..., :head_size], ctx[..., head_size:]
+    q = query.view(num_tokens, num_kv_heads, group, head_size)
+    scores = torch.einsum("tkgd,tckd->tkgc", q.float(), key.float()) * scale
+    if soft_cap:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    ctx_pos = torch.arange(ctx.shape[1], device=query.device)
+    visible = ctx_pos[None, :] <= token_pos[:, None]
+    if sliding_window:
+        visible = visible & (ctx_pos[None, :] > token_pos[:, None] - sliding_window)
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("tkgc,tckd->tkgd", probs, value.float())
+    return out.reshape(num_tokens, num_heads, head_size).to(query.dtype)
+
+
+_REGISTRY: dict[str, Callable[[], KernelSet]] = {
+    "reference": lambda: KernelSet(write_kv, ragged_paged_attention),
+}
+
+
+def register(name: str, factory: Callable[[], KernelSet]) -> None:
+    """Add a kernel set (e.g. NKI kernels on Trainium); the factory imports lazily."""
+    _REGISTRY[name] = factory
+
+
+def get(name: str) -> KernelSet:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown attention kernel set {name!r}; registered: {sorted(_REGISTRY)}")
+    return _REGISTRY[name]()

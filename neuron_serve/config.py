@@ -1,0 +1,103 @@
+"""Settings of the neuron platform, validated once: buckets, block size, compile mode.
+
+Read from vLLM's config and its `--additional-config '{"neuron": {...}}'` section:
+
+    token_buckets    [int]  padded token counts of mixed (prefill + decode) steps
+    request_buckets  [int]  padded request counts (decode steps use t = r)
+    block_buckets    [int]  padded block-table widths (longest context, in blocks)
+    max_attention_scratch_gb  float  cap on the attention gather of the largest bucket
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from neuron_serve.model_runner import buckets as bk
+
+ADDITIONAL_CONFIG_KEY = "neuron"
+_KNOWN_KEYS = {"token_buckets", "request_buckets", "block_buckets", "max_attention_scratch_gb"}
+
+
+@dataclass(frozen=True)
+class NeuronConfig:
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    compile: bool
+    token_buckets: tuple[int, ...] = ()
+    request_buckets: tuple[int, ...] = ()
+    block_buckets: tuple[int, ...] = ()
+    max_attention_scratch_gb: float = 8.0
+    grid: tuple[bk.Bucket, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, tuple(value))  # noqa: E731
+        set_("token_buckets", self.token_buckets or bk.default_token_buckets(self.max_num_batched_tokens))
+        set_("request_buckets", self.request_buckets or bk.default_request_buckets(self.max_num_seqs))
+        set_("block_buckets", self.block_buckets or bk.default_block_buckets(self.max_blocks_per_seq))
+        self._validate()
+        set_("grid", bk.build_grid(list(self.token_buckets), list(self.request_buckets),
+                                   list(self.block_buckets), self.max_num_seqs))
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return math.ceil(self.max_model_len / self.block_size)
+
+    def _validate(self) -> None:
+        for name in ("token_buckets", "request_buckets", "block_buckets"):
+            values = getattr(self, name)
+            if not values or any(not isinstance(v, int) or v < 1 for v in values):
+                raise ValueError(f"neuron.{name} must be a list of positive integers, got {list(values)}")
+            if list(values) != sorted(set(values)):
+                raise ValueError(f"neuron.{name} must be sorted and without duplicates, got {list(values)}")
+        _need(self.token_buckets[-1] >= self.max_num_batched_tokens,
+              f"the largest token bucket ({self.token_buckets[-1]}) is below "
+              f"max_num_batched_tokens ({self.max_num_batched_tokens}), which one step may "
+              "schedule: add a larger token bucket or lower --max-num-batched-tokens")
+        _need(self.request_buckets[-1] >= self.max_num_seqs,
+              f"the largest request bucket ({self.request_buckets[-1]}) is below max_num_seqs "
+              f"({self.max_num_seqs}): add a larger request bucket or lower --max-num-seqs")
+        _need(self.block_buckets[-1] >= self.max_blocks_per_seq,
+              f"the largest block bucket ({self.block_buckets[-1]} blocks × {self.block_size} = "
+              f"{self.block_buckets[-1] * self.block_size} tokens) cannot hold max_model_len "
+              f"({self.max_model_len}): add a block bucket ≥ {self.max_blocks_per_seq} or lower "
+              "--max-model-len")
+
+    def check_attention_scratch(self, num_kv_heads: int, head_size: int, dtype_bytes: int) -> None:
+        """The reference kernel gathers each token's context: t × b × block_size × KV heads."""
+        worst = max(self.grid, key=lambda b: b.num_tokens * b.num_blocks)
+        scratch = (worst.num_tokens * worst.num_blocks * self.block_size * num_kv_heads
+                   * 2 * head_size * max(dtype_bytes, 4))
+        _need(scratch <= self.max_attention_scratch_gb * 2**30,
+              f"bucket {worst} needs {scratch / 2**30:.1f} GiB of attention scratch, above "
+              f"neuron.max_attention_scratch_gb={self.max_attention_scratch_gb}: lower "
+              "--max-model-len or --max-num-batched-tokens, or raise the cap")
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config) -> NeuronConfig:
+        extra: dict[str, Any] = dict((vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY) or {})
+        unknown = set(extra) - _KNOWN_KEYS
+        if unknown:
+            raise ValueError(f"unknown keys {sorted(unknown)} in --additional-config "
+                             f"'{ADDITIONAL_CONFIG_KEY}'; known: {sorted(_KNOWN_KEYS)}")
+        sched = vllm_config.scheduler_config
+        return cls(
+            block_size=vllm_config.cache_config.block_size,
+            max_model_len=vllm_config.model_config.max_model_len,
+            max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            compile=not vllm_config.model_config.enforce_eager,
+            token_buckets=tuple(extra.get("token_buckets", ())),
+            request_buckets=tuple(extra.get("request_buckets", ())),
+            block_buckets=tuple(extra.get("block_buckets", ())),
+            **({"max_attention_scratch_gb": float(extra["max_attention_scratch_gb"])}
+               if "max_attention_scratch_gb" in extra else {}),
+        )
+
+
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(f"neuron-serve bucket config: {message}")

@@ -1,0 +1,93 @@
+"""Reference paged-attention kernels against a naive dense attention, over a shape sweep."""
+
+import math
+
+import pytest
+import torch
+
+from neuron_serve.attention.kernels import ragged_paged_attention, write_kv
+
+
+def naive_attention(q, k, v, pos, scale, window=None, soft_cap=None):
+    """q [H, D] at position pos over dense k, v [L, Hkv, D] of its request."""
+    group = q.shape[0] // k.shape[1]
+    k = k[: pos + 1].repeat_interleave(group, dim=1)  # [pos+1, H, D]
+    v = v[: pos + 1].repeat_interleave(group, dim=1)
+    s = torch.einsum("hd,lhd->hl", q.double(), k.double()) * scale
+    if soft_cap:
+        s = soft_cap * torch.tanh(s / soft_cap)
+    if window:
+        s[:, : max(0, pos + 1 - window)] = -math.inf
+    return torch.einsum("hl,lhd->hd", torch.softmax(s, -1), v.double()).float()
+
+
+def make_case(seed, seq_lens, query_lens, num_heads, num_kv_heads, head_size, block_size,
+              pad_tokens=3):
+    """Requests with shuffled block tables; the last query_lens[r] tokens of each are queries."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(math.ceil(s / block_size) for s in seq_lens) + 1
+    num_blocks = 1 + sum(math.ceil(s / block_size) for s in seq_lens) + 2
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # never the null block
+    kv_cache = torch.zeros(num_blocks, block_size, num_kv_heads, 2 * head_size)
+    block_table = torch.zeros(len(seq_lens), width, dtype=torch.long)
+    dense, q_tok, req_of, pos_of = [], [], [], []
+    for r, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens)):
+        n = math.ceil(seq_len / block_size)
+        block_table[r, :n] = torch.tensor([perm.pop() for _ in range(n)])
+        k = torch.randn(seq_len, num_kv_heads, head_size, generator=gen)
+        v = torch.randn(seq_len, num_kv_heads, head_size, generator=gen)
+        dense.append((k, v))
+        positions = torch.arange(seq_len)
+        slots = block_table[r, positions // block_size] * block_size + positions % block_size
+        write_kv(kv_cache, k, v, slots)
+        for p in range(seq_len - q_len, seq_len):
+            req_of.append(r), pos_of.append(p)
+    num_real = len(req_of)
+    req_of += [0] * pad_tokens
+    pos_of += [0] * pad_tokens
+    query = torch.randn(num_real + pad_tokens, num_heads, head_size, generator=gen)
+    return (query, kv_cache, block_table, torch.tensor(req_of), torch.tensor(pos_of),
+            dense, num_real)
+
+
+CASES = [  # seq_lens, query_lens: decodes, prefill chunks with and without prefix context
+    ([5], [5]),
+    ([17, 9, 33], [1, 1, 1]),
+    ([40, 12, 7], [8, 1, 7]),
+    ([64, 3, 29, 50], [64, 1, 5, 1]),
+]
+
+
+@pytest.mark.parametrize("seq_lens,query_lens", CASES)
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 1)])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (6, None), (None, 5.0)])
+def test_matches_naive_attention(seq_lens, query_lens, heads, block_size, window, soft_cap):
+    num_heads, num_kv_heads = heads
+    head_size = 16
+    query, kv_cache, table, req_of, pos_of, dense, n = make_case(
+        0, seq_lens, query_lens, num_heads, num_kv_heads, head_size, block_size)
+    scale = head_size ** -0.5
+    out = ragged_paged_attention(query, kv_cache, table, req_of, pos_of, scale, window, soft_cap)
+    expected = torch.stack([naive_attention(query[t], *dense[req_of[t]], int(pos_of[t]), scale,
+                                            window, soft_cap) for t in range(n)])
+    torch.testing.assert_close(out[:n], expected, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(out).all()  # padding rows too
+
+
+def test_write_kv_touches_only_the_given_slots():
+    kv_cache = torch.zeros(4, 8, 2, 6)
+    key, value = torch.ones(3, 2, 3), 2 * torch.ones(3, 2, 3)
+    write_kv(kv_cache, key, value, torch.tensor([9, 10, 31]))
+    flat = kv_cache.view(-1, 2, 6)
+    written = torch.zeros(32, dtype=torch.bool)
+    written[[9, 10, 31]] = True
+    assert (flat[written][..., :3] == 1).all() and (flat[written][..., 3:] == 2).all()
+    assert (flat[~written] == 0).all()
+
+
+def test_compiled_kernel_matches_eager():
+    query, kv_cache, table, req_of, pos_of, _, n = make_case(1, [40, 12, 7], [8, 1, 7], 4, 2, 16, 4)
+    fn = torch.compile(ragged_paged_attention, fullgraph=True, dynamic=False, backend="inductor")
+    args = (query, kv_cache, table, req_of, pos_of, 0.25, 6, None)
+    torch.testing.assert_close(fn(*args), ragged_paged_attention(*args), rtol=1e-5, atol=1e-5)
