@@ -7,11 +7,10 @@ import asyncio
 import os
 import sys
 
-import torch
-
 from neuron_serve.models import DEMO_MODEL_DIR
 
 DEMO_NAME = "demo"
+SERVE_DEFAULTS = {"max_num_seqs": 16, "max_num_batched_tokens": 256}
 
 
 def _add_serve_parser(subparsers) -> None:
@@ -27,6 +26,9 @@ def _add_serve_parser(subparsers) -> None:
     serve.add_argument("--host", default="0.0.0.0", help="address to bind")
     serve.add_argument("--port", type=int, default=8000, help="port to bind")
     AsyncEngineArgs.add_cli_args(serve)
+    # A small default bucket grid (~10 graphs): warm-up compiles every bucket.
+    serve.set_defaults(max_num_seqs=SERVE_DEFAULTS["max_num_seqs"],
+                       max_num_batched_tokens=SERVE_DEFAULTS["max_num_batched_tokens"])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,13 +56,9 @@ def resolve_model_path(args: argparse.Namespace) -> str:
 def _engine_args(args: argparse.Namespace):
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    from neuron_serve import device
-
     args.model = args.model_path
     if args.served_model_name is None and args.model_path == str(DEMO_MODEL_DIR):
         args.served_model_name = [DEMO_NAME]
-    if args.dtype == "auto":  # vLLM would pick bf16, which CPUs without native bf16 crawl at
-        args.dtype = str(device.current().compute_dtype(torch.bfloat16)).removeprefix("torch.")
     return AsyncEngineArgs.from_cli_args(args)
 
 
@@ -83,9 +81,9 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    # Until the neuron platform lands, the engine is vLLM's CPU backend, which sizes its
-    # KV cache from this variable (its default from NUMA memory refuses to start here).
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from neuron_serve import activation
+
+    activation.activate()  # our server always runs on our platform
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         args.model_path = resolve_model_path(args)

@@ -66,11 +66,17 @@ class NeuronConfig:
               f"({self.max_model_len}): add a block bucket ≥ {self.max_blocks_per_seq} or lower "
               "--max-model-len")
 
-    def check_attention_scratch(self, num_kv_heads: int, head_size: int, dtype_bytes: int) -> None:
-        """The reference kernel gathers each token's context: t × b × block_size × KV heads."""
+    def attention_scratch_bytes(self, kv_shape: tuple[int, int, int]) -> int:
+        """Peak gather of the reference kernel over the grid: each token's whole context,
+        t × b × block_size × KV heads × (K + V), in fp32."""
+        num_kv_heads, head_size, dtype_bytes = kv_shape
         worst = max(self.grid, key=lambda b: b.num_tokens * b.num_blocks)
-        scratch = (worst.num_tokens * worst.num_blocks * self.block_size * num_kv_heads
-                   * 2 * head_size * max(dtype_bytes, 4))
+        return (worst.num_tokens * worst.num_blocks * self.block_size * num_kv_heads
+                * 2 * head_size * max(dtype_bytes, 4))
+
+    def check_attention_scratch(self, kv_shape: tuple[int, int, int]) -> None:
+        scratch = self.attention_scratch_bytes(kv_shape)
+        worst = max(self.grid, key=lambda b: b.num_tokens * b.num_blocks)
         _need(scratch <= self.max_attention_scratch_gb * 2**30,
               f"bucket {worst} needs {scratch / 2**30:.1f} GiB of attention scratch, above "
               f"neuron.max_attention_scratch_gb={self.max_attention_scratch_gb}: lower "

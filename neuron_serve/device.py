@@ -10,14 +10,14 @@ from __future__ import annotations
 import functools
 import glob
 import importlib.util
-import logging
+from neuron_serve.logs import init_logger
 from dataclasses import dataclass
 
 import torch
 
 from neuron_serve import envs
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 EMULATED_MEMORY_FRACTION = 0.25  # of physical RAM, unless NEURON_SERVE_EMULATED_MEMORY_GB
 
@@ -38,6 +38,25 @@ class Device:
                       f"bf16 (requested {requested})")
             return torch.float32
         return requested
+
+    def init_worker_process(self) -> None:
+        """Per-process setup before vLLM loads a model on this device."""
+        if self.backend == "emulated":
+            # vLLM calls torch.accelerator.{empty_cache,empty_host_cache,synchronize}, which
+            # raise when torch sees no accelerator; on the CPU there is nothing to flush or
+            # wait for. Distinct functions: Dynamo keys its handling on the object.
+            def empty_cache(*args, **kwargs) -> None:
+                pass
+
+            def empty_host_cache(*args, **kwargs) -> None:
+                pass
+
+            def synchronize(*args, **kwargs) -> None:
+                pass
+
+            torch.accelerator.empty_cache = empty_cache
+            torch.accelerator.empty_host_cache = empty_host_cache
+            torch.accelerator.synchronize = synchronize
 
     def total_memory_bytes(self) -> int:
         if self.backend == "emulated":

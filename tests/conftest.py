@@ -19,6 +19,11 @@ from neuron_serve.models.tiny import FAMILIES, write_checkpoint
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 SERVER_START_TIMEOUT_S = 300
+# Small bucket grid for tests: few graphs to compile, padding still exercised.
+TEST_BUCKETS = '{"neuron": {"token_buckets": [64], "request_buckets": [1, 4], "block_buckets": [4, 16]}}'
+TEST_ENGINE_FLAGS = ["--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
+                     "--dtype", "float32", "--kv-cache-memory-bytes", str(64 << 20),
+                     "--additional-config", TEST_BUCKETS]
 
 
 @pytest.fixture(scope="session")
@@ -91,7 +96,7 @@ def tiny_server(tiny_llama, tmp_path_factory) -> Iterator[RunningServer]:
     """`neuron-serve serve` on the tiny Llama checkpoint, served as `tiny`."""
     port = free_port()
     cmd = [str(VENV_BIN / "neuron-serve"), "serve", str(tiny_llama), "--port", str(port),
-           "--served-model-name", "tiny", "--max-model-len", "512", "--enforce-eager"]
+           "--served-model-name", "tiny", *TEST_ENGINE_FLAGS]
     server = start_server(cmd, port, tmp_path_factory.mktemp("logs") / "tiny_server.log")
     yield server
     server.stop()

@@ -18,7 +18,7 @@ from vllm.v1.kv_cache_interface import KVCacheLayout
 from neuron_serve import device
 from neuron_serve.attention import kernels
 
-BACKEND_NAME = "NEURON_PAGED_ATTN"
+from neuron_serve.attention import BACKEND_NAME
 
 
 @dataclass

@@ -1,0 +1,164 @@
+"""NeuronPlatform: what vLLM asks of a hardware backend, answered for Trainium/emulation."""
+
+from __future__ import annotations
+
+import argparse
+from neuron_serve.logs import init_logger
+from typing import TYPE_CHECKING
+
+import torch
+from vllm.platforms.interface import Platform, PlatformEnum
+from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+from neuron_serve import device
+from neuron_serve.activation import DEVICE
+from neuron_serve.attention import BACKEND_NAME, BACKEND_PATH
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = init_logger(__name__)
+
+WORKER_PATH = "neuron_serve.worker.NeuronWorker"
+DEFAULT_BLOCK_SIZE = 32
+
+# Every process that resolves the platform imports this module: register our attention
+# backend's name with vLLM here so that Attention layers can look it up.
+if BACKEND_NAME not in AttentionBackendEnum.__members__:
+    register_backend(BACKEND_NAME, BACKEND_PATH)
+
+_DEVICE = device.current()
+# validate_request() receives no config; check_and_update_config() records, per process,
+# the longest context the bucket grid holds.
+_context_limit: dict[str, int] = {}
+
+
+def _device_choice(value: str) -> str:
+    if value != DEVICE:
+        raise argparse.ArgumentTypeError(
+            f"--device {value!r}: neuron-serve's platform serves only '--device {DEVICE}'. "
+            "Drop --device to let vLLM pick its own platform (VLLM_TARGET_DEVICE=cpu for its "
+            "CPU backend).")
+    return value
+
+
+class NeuronPlatform(Platform):
+    _enum = PlatformEnum.OOT
+    device_name: str = _DEVICE.torch_device.type
+    device_type: str = _DEVICE.torch_device.type
+    dispatch_key: str = "CPU" if _DEVICE.backend == "emulated" else "PrivateUse1"
+    dist_backend: str = "gloo"
+    simple_compile_backend: str = _DEVICE.compile_backend
+
+    @property
+    def supported_dtypes(self) -> list[torch.dtype]:
+        if _DEVICE.native_bf16:
+            return [torch.bfloat16, torch.float16, torch.float32]
+        return [torch.float32, torch.bfloat16, torch.float16]
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        return f"neuron-{_DEVICE.backend}"
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        return _DEVICE.total_memory_bytes()
+
+    @classmethod
+    def get_current_memory_usage(cls, device=None) -> float:
+        import psutil
+        return float(psutil.Process().memory_info().rss)
+
+    @classmethod
+    def set_device(cls, device: torch.device) -> None:
+        pass  # one device per process; nothing to select
+
+    @classmethod
+    def manual_seed_all(cls, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    @classmethod
+    def inference_mode(cls):
+        return torch.no_grad()
+
+    @classmethod
+    def is_pin_memory_available(cls) -> bool:
+        return False
+
+    @classmethod
+    def opaque_attention_op(cls) -> bool:
+        # Attention is traced into each bucket's graph; its metadata is persistent per bucket.
+        return False
+
+    @classmethod
+    def support_hybrid_kv_cache(cls) -> bool:
+        return False  # sliding-window layers share the full cache; the kernel masks the window
+
+    @classmethod
+    def update_block_size_for_backend(cls, vllm_config: VllmConfig) -> None:
+        pass  # check_and_update_config chose it; the runner's buckets are sized from it
+
+    @classmethod
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
+        cfg = attn_selector_config
+        unsupported = {"MLA": cfg.use_mla, "sparse attention": cfg.use_sparse,
+                       "attention sinks": cfg.has_sink}
+        names = [name for name, used in unsupported.items() if used]
+        if names:
+            raise NotImplementedError(f"neuron-serve does not support {', '.join(names)}")
+        if selected_backend is not None and selected_backend.name != BACKEND_NAME:
+            logger.warning("attention backend %s ignored: the neuron platform uses %s",
+                           selected_backend.name, BACKEND_NAME)
+        return BACKEND_PATH
+
+    @classmethod
+    def pre_register_and_update(cls, parser=None) -> None:
+        if parser is not None and "--device" not in parser._option_string_actions:
+            parser.add_argument("--device", type=_device_choice, default=DEVICE,
+                                help="Hardware to serve on. neuron-serve's platform: 'neuron' "
+                                     "(Trainium, or its CPU emulation without Trainium).")
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
+        from vllm.config import CompilationMode, CUDAGraphMode
+
+        parallel = vllm_config.parallel_config
+        if parallel.worker_cls == "auto":
+            parallel.worker_cls = WORKER_PATH
+        if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+            raise NotImplementedError("neuron-serve runs tensor/pipeline parallel size 1 only")
+        cache = vllm_config.cache_config
+        if not cache.user_specified_block_size:
+            cache.block_size = DEFAULT_BLOCK_SIZE
+        # We compile one graph per bucket ourselves; vLLM's own compilation stays off.
+        compilation = vllm_config.compilation_config
+        compilation.mode = CompilationMode.NONE
+        compilation.cudagraph_mode = CUDAGraphMode.NONE
+        compilation.cudagraph_capture_sizes = []
+        vllm_config.scheduler_config.async_scheduling = False
+        model = vllm_config.model_config
+        if model is None:  # vLLM also calls this with partial configs
+            return
+        model.dtype = _DEVICE.compute_dtype(model.dtype)
+        if vllm_config.speculative_config is not None or vllm_config.lora_config is not None:
+            raise NotImplementedError("neuron-serve supports neither speculative decoding nor LoRA")
+        from neuron_serve.config import NeuronConfig
+        neuron = NeuronConfig.from_vllm_config(vllm_config)  # raises on a bad bucket config
+        _context_limit["tokens"] = min(model.max_model_len, neuron.block_buckets[-1] * cache.block_size)
+        logger.info("neuron platform (%s): %d buckets, block size %d, dtype %s",
+                    _DEVICE.backend, len(neuron.grid), cache.block_size, model.dtype)
+
+    @classmethod
+    def validate_request(cls, processed_inputs, params) -> None:
+        kind = processed_inputs.get("type")
+        if kind != "token":
+            raise ValueError(f"neuron-serve accepts token prompts only, not {kind!r} inputs")
+        if getattr(params, "prompt_logprobs", None) is not None:
+            raise ValueError("prompt_logprobs is not supported by neuron-serve")
+        limit = _context_limit.get("tokens")
+        prompt_len = len(processed_inputs["prompt_token_ids"])
+        if limit is not None and prompt_len >= limit:
+            raise ValueError(
+                f"prompt of {prompt_len} tokens does not fit: the largest context bucket holds "
+                f"{limit} tokens including at least one generated token; shorten the prompt "
+                "or serve with a larger --max-model-len / neuron.block_buckets")

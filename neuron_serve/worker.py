@@ -1,0 +1,115 @@
+"""NeuronWorker: the vLLM worker lifecycle around NeuronModelRunner.
+
+init_device → load_model → get_kv_cache_spec → determine_available_memory →
+initialize_from_config → compile_or_warm_up_model → execute_model / sample_tokens.
+"""
+
+from __future__ import annotations
+
+from neuron_serve.logs import init_logger
+
+import torch
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.utils.torch_utils import set_random_seed
+from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
+from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
+
+from neuron_serve import device
+from neuron_serve.model_runner.runner import NeuronModelRunner
+
+logger = init_logger(__name__)
+
+
+class NeuronWorker(WorkerBase):
+    def __init__(self, vllm_config: VllmConfig, local_rank: int, rank: int,
+                 distributed_init_method: str, is_driver_worker: bool = False):
+        super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
+        self.model_runner: NeuronModelRunner | None = None
+
+    def init_device(self) -> None:
+        dev = device.current()
+        dev.init_worker_process()
+        self.device = dev.torch_device
+        init_worker_distributed_environment(self.vllm_config, self.rank,
+                                            self.distributed_init_method, self.local_rank, "gloo")
+        set_random_seed(self.model_config.seed)
+        self.model_runner = NeuronModelRunner(self.vllm_config, self.device)
+
+    def load_model(self, *, load_dummy_weights: bool = False) -> None:
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.load_model()
+
+    def get_model(self) -> torch.nn.Module:
+        return self.model_runner.model
+
+    def get_kv_cache_spec(self):
+        return self.model_runner.get_kv_cache_spec()
+
+    def determine_available_memory(self) -> int:
+        """Bytes for the KV cache: --kv-cache-memory-bytes if given, else the device's
+        capacity × --gpu-memory-utilization, minus weights and the largest step's scratch."""
+        explicit = self.cache_config.kv_cache_memory_bytes
+        if explicit:
+            return int(explicit)
+        dev = device.current()
+        weights = sum(p.numel() * p.element_size() for p in self.model_runner.model.parameters())
+        scratch = self.model_runner.config.attention_scratch_bytes(self._kv_heads_and_head_size())
+        budget = dev.total_memory_bytes() * self.cache_config.gpu_memory_utilization
+        available = int(budget - weights - scratch)
+        if available <= 0:
+            raise ValueError(
+                f"no memory left for the KV cache: budget {budget / 2**30:.1f} GiB "
+                f"({dev.backend} capacity × gpu_memory_utilization) minus weights "
+                f"{weights / 2**30:.1f} GiB and step scratch {scratch / 2**30:.1f} GiB. "
+                "Pass --kv-cache-memory-bytes, raise --gpu-memory-utilization"
+                + (" or NEURON_SERVE_EMULATED_MEMORY_GB" if dev.backend == "emulated" else ""))
+        logger.info("KV cache budget %.2f GiB (weights %.2f GiB, scratch %.2f GiB)",
+                    available / 2**30, weights / 2**30, scratch / 2**30)
+        return available
+
+    def _kv_heads_and_head_size(self) -> tuple[int, int, int]:
+        spec = next(iter(self.get_kv_cache_spec().values()))
+        return spec.num_kv_heads, spec.head_size, spec.dtype.itemsize
+
+    def initialize_from_config(self, kv_cache_config) -> None:
+        self.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+        self.model_runner.initialize_kv_cache(kv_cache_config)
+
+    def compile_or_warm_up_model(self) -> CompilationTimes:
+        seconds = self.model_runner.warm_up()
+        set_random_seed(self.model_config.seed)
+        return CompilationTimes(language_model=seconds, encoder=0.0)
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    @torch.no_grad()
+    def execute_model(self, scheduler_output):
+        return self.model_runner.execute_model(scheduler_output)
+
+    @torch.no_grad()
+    def sample_tokens(self, grammar_output):
+        return self.model_runner.sample_tokens(grammar_output)
+
+    def reset_encoder_cache(self) -> None:
+        pass
+
+    def get_cache_block_size_bytes(self) -> int:
+        spec = next(iter(self.get_kv_cache_spec().values()))
+        return spec.page_size_bytes * len(self.get_kv_cache_spec())
+
+    def compiles_after_warmup(self) -> int:
+        """Graphs compiled while serving (RPC for tests and metrics; should stay 0)."""
+        return self.model_runner.compiles_after_warmup
+
+    def add_lora(self, lora_request) -> bool:
+        raise NotImplementedError("LoRA is not supported by neuron-serve")
+
+    def remove_lora(self, lora_id: int) -> bool:
+        raise NotImplementedError("LoRA is not supported by neuron-serve")
+
+    def pin_lora(self, lora_id: int) -> bool:
+        raise NotImplementedError("LoRA is not supported by neuron-serve")
+
+    def list_loras(self) -> set[int]:
+        return set()
