@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from neuron_serve.logs import init_logger
 from typing import TYPE_CHECKING
 
@@ -136,6 +137,9 @@ class NeuronPlatform(Platform):
         compilation.cudagraph_mode = CUDAGraphMode.NONE
         compilation.cudagraph_capture_sizes = []
         vllm_config.scheduler_config.async_scheduling = False
+        # A forked child of a process whose OpenMP pool is running deadlocks in its first
+        # torch op (seen: engine core hanging while building RoPE tables). Spawn instead.
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         model = vllm_config.model_config
         if model is None:  # vLLM also calls this with partial configs
             return

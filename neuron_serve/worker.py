@@ -48,6 +48,7 @@ class NeuronWorker(WorkerBase):
     def determine_available_memory(self) -> int:
         """Bytes for the KV cache: --kv-cache-memory-bytes if given, else the device's
         capacity × --gpu-memory-utilization, minus weights and the largest step's scratch."""
+        self.model_runner.config.check_attention_scratch(self._kv_heads_and_head_size())
         explicit = self.cache_config.kv_cache_memory_bytes
         if explicit:
             return int(explicit)

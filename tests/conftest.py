@@ -14,7 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from neuron_serve.models.tiny import FAMILIES, write_checkpoint
+# Every vLLM engine this test session starts, in-process or in a child, runs on our platform.
+os.environ["NEURON_SERVE_DEVICE"] = "neuron"
+
+from neuron_serve.models.tiny import FAMILIES, write_checkpoint  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent

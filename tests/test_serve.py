@@ -82,3 +82,28 @@ def test_invalid_parameter_is_400_not_422(client):
         client.completions.create(model="tiny", prompt="x", max_tokens=1, temperature=5)
     assert err.value.body["param"] == "temperature"
     assert err.value.body["type"] == "invalid_request_error"
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tiny_llama, tmp_path_factory):
+    """vLLM's own OpenAI server, `vllm serve --device neuron`, on our platform."""
+    from conftest import TEST_ENGINE_FLAGS, VENV_BIN, free_port, start_server
+
+    port = free_port()
+    cmd = [str(VENV_BIN / "vllm"), "serve", str(tiny_llama), "--device", "neuron",
+           "--port", str(port), "--served-model-name", "tiny", *TEST_ENGINE_FLAGS]
+    server = start_server(cmd, port, tmp_path_factory.mktemp("logs") / "vllm_serve.log")
+    yield server
+    server.stop()
+
+
+def test_vllm_serve_device_neuron_matches_transformers(vllm_server, tiny_llama):
+    client = openai.OpenAI(base_url=f"{vllm_server.base_url}/v1", api_key="unused", max_retries=0)
+    for prompt in PROMPTS:
+        _, expected = hf_greedy(tiny_llama, prompt, NEW_TOKENS)
+        resp = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+            extra_body={"min_tokens": NEW_TOKENS, "return_token_ids": True})
+        assert resp.choices[0].token_ids == expected
+    assert "NeuronPlatform" in vllm_server.log_path.read_text() or "neuron platform" in \
+        vllm_server.log_path.read_text()

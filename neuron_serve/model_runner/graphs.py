@@ -57,7 +57,8 @@ class StepGraphs:
     def run(self, bucket: Bucket) -> torch.Tensor:
         """Logits [bucket.num_reqs, vocab] for the inputs already in the bucket's buffers."""
         buf = self.buffers[bucket]
-        with override_forward_context(self._contexts[bucket]):
+        # no_grad here, not at the call sites: grad mode is part of every graph's guards.
+        with torch.no_grad(), override_forward_context(self._contexts[bucket]):
             return self._fn(buf.input_ids, buf.positions, buf.logits_indices)
 
     def warm_up(self) -> float:
