@@ -57,7 +57,7 @@ def test_bad_environment_value_names_the_variable():
 
 
 def test_vllm_serve_rejects_other_devices_clearly(tiny_llama):
-    out = subprocess.run([str(VENV_BIN / "vllm"), "serve", str(tiny_llama), "--device", "cpu"],
+    out = subprocess.run([str(VENV_BIN / "vllm"), "serve", str(tiny_llama), "--device", "cuda"],
                          capture_output=True, text=True, timeout=300,
                          env={**os.environ, "NEURON_SERVE_DEVICE": ""})
     assert out.returncode != 0

@@ -59,8 +59,8 @@ CASES = [  # seq_lens, query_lens: decodes, prefill chunks with and without pref
 
 
 @pytest.mark.parametrize("seq_lens,query_lens", CASES)
-@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 1)])
-@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 2), (8, 1)])  # GQA ratios 1, 2, 4, 8
+@pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (6, None), (None, 5.0)])
 def test_matches_naive_attention(seq_lens, query_lens, heads, block_size, window, soft_cap):
     num_heads, num_kv_heads = heads
@@ -84,6 +84,33 @@ def test_write_kv_touches_only_the_given_slots():
     written[[9, 10, 31]] = True
     assert (flat[written][..., :3] == 1).all() and (flat[written][..., 3:] == 2).all()
     assert (flat[~written] == 0).all()
+
+
+def test_padded_step_leaves_real_kv_untouched():
+    """A planned, padded mixed step writes only its own tokens' slots and the null block."""
+    import numpy as np
+
+    from neuron_serve.model_runner.buckets import build_grid
+    from neuron_serve.model_runner.inputs import BucketBuffers, plan_step
+
+    bs, heads, head = 16, 2, 8
+    block_table = np.array([[3, 5, 0, 0], [7, 0, 0, 0], [2, 4, 6, 0]])
+    num_computed, num_scheduled = np.array([20, 0, 33]), np.array([1, 9, 4])
+    token_ids = np.arange(3 * 64).reshape(3, 64)
+    grid = build_grid([32], [4], [4], max_num_seqs=4)
+    plan, arrays = plan_step(token_ids, num_computed, num_computed + num_scheduled, block_table,
+                             num_scheduled, bs, grid)
+    buf = BucketBuffers(plan.bucket, torch.device("cpu"))
+    buf.fill(arrays)
+    assert plan.bucket.num_tokens == 32 and plan.num_tokens == 14  # 18 padding tokens
+    kv_cache = torch.randn(8, bs, heads, 2 * head)
+    before = kv_cache.clone()
+    write_kv(kv_cache, torch.ones(32, heads, head), torch.ones(32, heads, head), buf.slot_mapping)
+    changed = (kv_cache != before).flatten(2).any(-1).flatten().nonzero().flatten().tolist()
+    real = {int(b) * bs + p % bs for r, n in enumerate(num_scheduled)
+            for p in range(num_computed[r], num_computed[r] + n)
+            for b in [block_table[r, p // bs]]}
+    assert set(changed) - set(range(bs)) == real  # beyond the null block: exactly the real slots
 
 
 def test_compiled_kernel_matches_eager():

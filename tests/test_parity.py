@@ -53,12 +53,14 @@ def greedy(llm: LLM, batch: list[list[int]], n: int = NEW_TOKENS):
     return llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
 
 
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_eager_matches_transformers(checkpoints, family):
-    llm = make_llm(checkpoints[family])
+def test_greedy_matches_transformers(checkpoints, family, mode):
+    llm = make_llm(checkpoints[family], enforce_eager=mode == "eager")
     try:
         batch = prompts()
         for prompt, out in zip(batch, greedy(llm, batch)):
             assert list(out.outputs[0].token_ids) == hf_greedy(checkpoints[family], prompt), family
+        assert sum(llm.collective_rpc("compiles_after_warmup")) == 0
     finally:
         llm.llm_engine.engine_core.shutdown()

@@ -107,3 +107,39 @@ def test_vllm_serve_device_neuron_matches_transformers(vllm_server, tiny_llama):
         assert resp.choices[0].token_ids == expected
     assert "NeuronPlatform" in vllm_server.log_path.read_text() or "neuron platform" in \
         vllm_server.log_path.read_text()
+
+
+def test_vllm_serve_rejects_an_overlong_prompt_and_keeps_serving(vllm_server):
+    client = openai.OpenAI(base_url=f"{vllm_server.base_url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny", prompt=[5] * 600, max_tokens=1)
+    assert "512" in err.value.message
+    ok = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=2)
+    assert ok.choices[0].finish_reason == "length"
+
+
+def test_vllm_serve_without_device_flag_does_not_activate_us(tiny_llama, tmp_path):
+    """No --device, no NEURON_SERVE_DEVICE, no Trainium: vLLM keeps its own CPU platform."""
+    import os
+    import subprocess
+    import time
+
+    from conftest import VENV_BIN, free_port
+
+    log = tmp_path / "plain_vllm.log"
+    env = {**os.environ, "NEURON_SERVE_DEVICE": ""}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(VENV_BIN / "vllm"), "serve", str(tiny_llama), "--port",
+                                 str(free_port())], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            deadline = time.monotonic() + 180
+            while "Initializing a V1 LLM engine" not in log.read_text() and time.monotonic() < deadline:
+                time.sleep(0.5)
+        finally:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    text = log.read_text()
+    assert "Initializing a V1 LLM engine" in text, text[-3000:]
+    assert "[cpu.py:" in text  # vLLM's CpuPlatform configured the engine...
+    assert "neuron platform (" not in text  # ...and ours never did
