@@ -107,3 +107,14 @@ def test_transformers_model_implementation(tiny_llama):
             assert list(out.outputs[0].token_ids) == hf_greedy(tiny_llama, prompt)
     finally:
         engine.llm_engine.engine_core.shutdown()
+
+
+def test_repetition_penalty_matches_transformers(llm, tiny_llama):
+    prompt = prompts()[1]
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
+        max_tokens=12, min_tokens=12, temperature=0, repetition_penalty=1.5), use_tqdm=False)
+    ids = torch.tensor([prompt])
+    expected = hf_model(tiny_llama).generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12,
+        do_sample=False, repetition_penalty=1.5)[0, len(prompt):].tolist()
+    assert list(out[0].outputs[0].token_ids) == expected
