@@ -28,7 +28,7 @@ if __name__ == "__main__":
               kv_cache_memory_bytes=1 << 30)
     ready = time.monotonic() - t0
     after = sum(llm.collective_rpc("compiles_after_warmup"))
-    print(json.dumps({"seconds": ready, "compiles_after_warmup": after}))
+    print("RESULT " + json.dumps({"seconds": ready, "compiles_after_warmup": after}), flush=True)
 """
 
 
@@ -43,7 +43,8 @@ def start_once(model: str, mode: str) -> dict:
     out = subprocess.run([sys.executable, "-c", CHILD, model, mode.split("-")[0],
                           str(SERVE_DEFAULTS["max_num_seqs"]), str(SERVE_DEFAULTS["max_num_batched_tokens"])],
                          capture_output=True, text=True, env=env, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    (line,) = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    return json.loads(line.removeprefix("RESULT "))
 
 
 def main() -> None:
