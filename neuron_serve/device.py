@@ -29,6 +29,7 @@ class Device:
     compile_backend: str  # torch.compile backend standing for the Neuron compiler
     attention_kernel: str  # name in neuron_serve.attention.kernels' registry
     native_bf16: bool
+    dispatch_key: str  # torch dispatch key of the device, for vLLM's custom-op registration
 
     def compute_dtype(self, requested: torch.dtype) -> torch.dtype:
         """The dtype to compute in: the requested one, except half precision on CPUs
@@ -38,6 +39,13 @@ class Device:
                       f"bf16 (requested {requested})")
             return torch.float32
         return requested
+
+    @property
+    def capacity_hint(self) -> str:
+        """How a user changes total_memory_bytes(), for error messages."""
+        if self.backend == "emulated":
+            return "set NEURON_SERVE_EMULATED_MEMORY_GB (default: a quarter of RAM)"
+        return "the capacity is read from the Neuron runtime"
 
     def init_worker_process(self) -> None:
         """Per-process setup before vLLM loads a model on this device."""
@@ -84,7 +92,7 @@ def current() -> Device:
 def _emulated_device() -> Device:
     return Device(backend="emulated", torch_device=torch.device("cpu"),
                   compile_backend="inductor", attention_kernel="reference",
-                  native_bf16=cpu_has_native_bf16())
+                  native_bf16=cpu_has_native_bf16(), dispatch_key="CPU")
 
 
 def _neuron_device() -> Device:
@@ -96,7 +104,8 @@ def _neuron_device() -> Device:
             f"({exc}). Install torch-neuronx from the Neuron SDK on a Trainium host, or run "
             "the CPU emulation with NEURON_SERVE_BACKEND=emulated.") from exc
     return Device(backend="neuron", torch_device=torch.device("neuron"),
-                  compile_backend="neuron", attention_kernel="reference", native_bf16=True)
+                  compile_backend="neuron", attention_kernel="reference", native_bf16=True,
+                  dispatch_key="PrivateUse1")  # out-of-tree devices register under PrivateUse1
 
 
 def _neuron_memory_bytes() -> int:

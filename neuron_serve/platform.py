@@ -47,7 +47,7 @@ class NeuronPlatform(Platform):
     _enum = PlatformEnum.OOT
     device_name: str = _DEVICE.torch_device.type
     device_type: str = _DEVICE.torch_device.type
-    dispatch_key: str = "CPU" if _DEVICE.backend == "emulated" else "PrivateUse1"
+    dispatch_key: str = _DEVICE.dispatch_key
     dist_backend: str = "gloo"
     simple_compile_backend: str = _DEVICE.compile_backend
 

@@ -62,8 +62,7 @@ class NeuronWorker(WorkerBase):
                 f"no memory left for the KV cache: budget {budget / 2**30:.1f} GiB "
                 f"({dev.backend} capacity × gpu_memory_utilization) minus weights "
                 f"{weights / 2**30:.1f} GiB and step scratch {scratch / 2**30:.1f} GiB. "
-                "Pass --kv-cache-memory-bytes, raise --gpu-memory-utilization"
-                + (" or NEURON_SERVE_EMULATED_MEMORY_GB" if dev.backend == "emulated" else ""))
+                f"Pass --kv-cache-memory-bytes or raise --gpu-memory-utilization; {dev.capacity_hint}.")
         logger.info("KV cache budget %.2f GiB (weights %.2f GiB, scratch %.2f GiB)",
                     available / 2**30, weights / 2**30, scratch / 2**30)
         return available

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from neuron_serve.attention.backend import NeuronAttentionMetadata
-from neuron_serve.model_runner.buckets import Bucket, blocks_needed
+from neuron_serve.model_runner.buckets import Bucket, blocks_needed, select
 
 NULL_BLOCK = 0
 
@@ -69,8 +69,6 @@ def plan_step(token_ids: np.ndarray, num_computed: np.ndarray, num_tokens_known:
 
     Returns the plan and the unpadded arrays to copy into the bucket's buffers.
     """
-    from neuron_serve.model_runner.buckets import select
-
     num_reqs = len(num_scheduled)
     seq_lens = num_computed + num_scheduled
     num_tokens = int(num_scheduled.sum())
