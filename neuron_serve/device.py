@@ -10,12 +10,13 @@ from __future__ import annotations
 import functools
 import glob
 import importlib.util
-from neuron_serve.logs import init_logger
 from dataclasses import dataclass
 
+import psutil
 import torch
 
 from neuron_serve import envs
+from neuron_serve.logs import init_logger
 
 logger = init_logger(__name__)
 
@@ -69,7 +70,7 @@ class Device:
     def total_memory_bytes(self) -> int:
         if self.backend == "emulated":
             gib = envs.NEURON_SERVE_EMULATED_MEMORY_GB
-            return int(gib * 2**30) if gib else int(_physical_ram() * EMULATED_MEMORY_FRACTION)
+            return int(gib * 2**30) if gib else int(psutil.virtual_memory().total * EMULATED_MEMORY_FRACTION)
         return _neuron_memory_bytes()
 
 
@@ -124,14 +125,6 @@ def cpu_has_native_bf16() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def _physical_ram() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("MemTotal missing from /proc/meminfo")
 
 
 @functools.cache

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from neuron_serve.logs import init_logger
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,6 +13,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_b
 from neuron_serve import device
 from neuron_serve.activation import DEVICE
 from neuron_serve.attention import BACKEND_NAME, BACKEND_PATH
+from neuron_serve.logs import init_logger
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

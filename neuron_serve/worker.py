@@ -6,8 +6,6 @@ initialize_from_config → compile_or_warm_up_model → execute_model / sample_t
 
 from __future__ import annotations
 
-from neuron_serve.logs import init_logger
-
 import torch
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.utils.torch_utils import set_random_seed
@@ -15,6 +13,7 @@ from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from neuron_serve import device
+from neuron_serve.logs import init_logger
 from neuron_serve.model_runner.runner import NeuronModelRunner
 
 logger = init_logger(__name__)

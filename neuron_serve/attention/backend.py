@@ -16,9 +16,7 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl,
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
 from neuron_serve import device
-from neuron_serve.attention import kernels
-
-from neuron_serve.attention import BACKEND_NAME
+from neuron_serve.attention import BACKEND_NAME, kernels
 
 
 @dataclass
@@ -67,9 +65,6 @@ class NeuronAttentionBackend(AttentionBackend):
 class NeuronAttentionMetadataBuilder(AttentionMetadataBuilder[NeuronAttentionMetadata]):
     """Present because vLLM's interface requires one; NeuronModelRunner builds the
     metadata itself into per-bucket buffers, and vLLM's generic runners are not used."""
-
-    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
-        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         raise NotImplementedError("neuron attention metadata is built by NeuronModelRunner")

@@ -27,9 +27,15 @@ class KernelSet:
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store each token's key and value at its slot. Padding tokens carry slots inside the
-    null block, which no request reads."""
-    flat = kv_cache.view(-1, kv_cache.shape[2], kv_cache.shape[3])
-    flat.index_copy_(0, slot_mapping, torch.cat([key, value], dim=-1).to(flat.dtype))
+    null block, which no request reads.
+
+    An index_put on the cache itself, not index_copy_ on a flattened view: inductor turns
+    a mutation through a view of a graph input into a copy of the whole cache on every
+    step (measured: 779 ms vs 3.4 ms per decode step with a 3 GB cache).
+    """
+    block_size = kv_cache.shape[1]
+    kv_cache[slot_mapping // block_size, slot_mapping % block_size] = (
+        torch.cat([key, value], dim=-1).to(kv_cache.dtype))
 
 
 def ragged_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,

@@ -14,6 +14,7 @@ each for every width b in block_buckets. A step runs in the cheapest bucket that
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -75,7 +76,7 @@ def build_grid(token_buckets: list[int], request_buckets: list[int], block_bucke
     return sorted(grid, key=lambda bk: (bk.cost, bk))
 
 
-def select(grid: list[Bucket], num_tokens: int, num_reqs: int, num_blocks: int) -> Bucket:
+def select(grid: Sequence[Bucket], num_tokens: int, num_reqs: int, num_blocks: int) -> Bucket:
     """The cheapest bucket that holds the step; raises if none does (a planning bug:
     the largest buckets are sized from the engine's own limits)."""
     for bucket in grid:  # sorted by cost

@@ -8,13 +8,13 @@ object escaped the bucket discipline, and is counted (`compiles_after_warmup`).
 
 from __future__ import annotations
 
-from neuron_serve.logs import init_logger
 import time
 from collections.abc import Callable
 
 import torch
 from vllm.forward_context import create_forward_context, override_forward_context
 
+from neuron_serve.logs import init_logger
 from neuron_serve.model_runner.buckets import Bucket
 from neuron_serve.model_runner.inputs import BucketBuffers
 

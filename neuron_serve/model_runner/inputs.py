@@ -17,6 +17,7 @@ bucket sees the same tensors (and the same attention metadata object) on every s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,9 +25,6 @@ import torch
 
 from neuron_serve.attention.backend import NeuronAttentionMetadata
 from neuron_serve.model_runner.buckets import Bucket, blocks_needed, select
-
-NULL_BLOCK = 0
-
 
 class BucketBuffers:
     """Persistent input tensors of one bucket, plus its attention metadata."""
@@ -64,7 +62,7 @@ class StepPlan:
 
 def plan_step(token_ids: np.ndarray, num_computed: np.ndarray, num_tokens_known: np.ndarray,
               block_table: np.ndarray, num_scheduled: np.ndarray, block_size: int,
-              grid: list[Bucket]) -> tuple[StepPlan, dict[str, np.ndarray]]:
+              grid: Sequence[Bucket]) -> tuple[StepPlan, dict[str, np.ndarray]]:
     """Pack one step. All arrays are indexed by batch row, first `len(num_scheduled)` rows.
 
     Returns the plan and the unpadded arrays to copy into the bucket's buffers.

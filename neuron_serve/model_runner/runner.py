@@ -7,8 +7,6 @@ sample with vLLM's Sampler → record the new tokens.
 
 from __future__ import annotations
 
-from neuron_serve.logs import init_logger
-
 import numpy as np
 import torch
 from vllm.config import VllmConfig
@@ -25,6 +23,7 @@ from vllm.v1.worker.utils import allocate_kv_cache, bind_kv_cache
 
 from neuron_serve import device as device_mod
 from neuron_serve.config import NeuronConfig
+from neuron_serve.logs import init_logger
 from neuron_serve.model_runner.graphs import StepGraphs
 from neuron_serve.model_runner.inputs import StepPlan, plan_step
 
@@ -109,7 +108,7 @@ class NeuronModelRunner:
         plan, arrays = plan_step(batch.token_ids_cpu, batch.num_computed_tokens_cpu[:n],
                                  batch.num_tokens_no_spec[:n],
                                  batch.block_table[0].get_numpy_array(), num_scheduled,
-                                 self.config.block_size, list(self.config.grid))
+                                 self.config.block_size, self.config.grid)
         self.graphs.buffers[plan.bucket].fill(arrays)
         logits = self.graphs.run(plan.bucket)[:n]
         self._pending = (plan, logits, scheduler_output)
