@@ -6,6 +6,13 @@ Read from vLLM's config and its `--additional-config '{"neuron": {...}}'` sectio
     request_buckets  [int]  padded request counts (decode steps use t = r)
     block_buckets    [int]  padded block-table widths (longest context, in blocks)
     max_attention_scratch_gb  float  cap on the attention gather of the largest bucket
+    compile_mode     str    ahead (default): every bucket compiled or loaded before ready;
+                            background: ready at once, buckets run eager until their graph
+                            is compiled by a background process; eager: never compile
+                            (also what --enforce-eager selects)
+    cache_dir        str    compiled-graph cache directory, "off" to disable
+                            (default: $NEURON_SERVE_CACHE_DIR or ~/.cache/neuron-serve/graphs)
+    cache_max_gb     float  size cap of that cache, LRU-pruned (default 20)
 """
 
 from __future__ import annotations
@@ -17,7 +24,10 @@ from typing import Any
 from neuron_serve.model_runner import buckets as bk
 
 ADDITIONAL_CONFIG_KEY = "neuron"
-_KNOWN_KEYS = {"token_buckets", "request_buckets", "block_buckets", "max_attention_scratch_gb"}
+_KNOWN_KEYS = {"token_buckets", "request_buckets", "block_buckets", "max_attention_scratch_gb",
+               "compile_mode", "cache_dir", "cache_max_gb"}
+COMPILE_MODES = ("ahead", "background", "eager")
+DEFAULT_CACHE_MAX_GB = 20.0
 
 
 @dataclass(frozen=True)
@@ -26,11 +36,13 @@ class NeuronConfig:
     max_model_len: int
     max_num_seqs: int
     max_num_batched_tokens: int
-    compile: bool
+    compile_mode: str
     token_buckets: tuple[int, ...] = ()
     request_buckets: tuple[int, ...] = ()
     block_buckets: tuple[int, ...] = ()
     max_attention_scratch_gb: float = 8.0
+    cache_dir: str | None = None  # None: no persistent cache
+    cache_max_gb: float = DEFAULT_CACHE_MAX_GB
     grid: tuple[bk.Bucket, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -43,10 +55,23 @@ class NeuronConfig:
                                    list(self.block_buckets), self.max_num_seqs))
 
     @property
+    def compile(self) -> bool:
+        return self.compile_mode != "eager"
+
+    @property
     def max_blocks_per_seq(self) -> int:
         return math.ceil(self.max_model_len / self.block_size)
 
     def _validate(self) -> None:
+        if self.compile_mode not in COMPILE_MODES:
+            raise ValueError(f"neuron.compile_mode={self.compile_mode!r} is not valid; use one "
+                             f"of {list(COMPILE_MODES)}")
+        if self.compile_mode == "background" and not self.cache_dir:
+            raise ValueError("neuron.compile_mode='background' hands graphs over through the "
+                             "compiled-graph cache, which is off: set neuron.cache_dir or "
+                             "NEURON_SERVE_CACHE_DIR, or use compile_mode 'ahead'")
+        if not self.cache_max_gb > 0:
+            raise ValueError(f"neuron.cache_max_gb must be positive, got {self.cache_max_gb}")
         for name in ("token_buckets", "request_buckets", "block_buckets"):
             values = getattr(self, name)
             if not values or any(not isinstance(v, int) or v < 1 for v in values):
@@ -89,13 +114,21 @@ class NeuronConfig:
         if unknown:
             raise ValueError(f"unknown keys {sorted(unknown)} in --additional-config "
                              f"'{ADDITIONAL_CONFIG_KEY}'; known: {sorted(_KNOWN_KEYS)}")
+        from neuron_serve import envs
+
         sched = vllm_config.scheduler_config
+        mode = "eager" if vllm_config.model_config.enforce_eager else \
+            extra.get("compile_mode", envs.NEURON_SERVE_COMPILE_MODE)
+        cache_dir = str(extra.get("cache_dir", envs.NEURON_SERVE_CACHE_DIR))
         return cls(
             block_size=vllm_config.cache_config.block_size,
             max_model_len=vllm_config.model_config.max_model_len,
             max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
-            compile=not vllm_config.model_config.enforce_eager,
+            compile_mode=mode,
+            cache_dir=None if cache_dir.lower() in ("off", "") else cache_dir,
+            cache_max_gb=float(extra.get("cache_max_gb", envs.NEURON_SERVE_CACHE_MAX_GB
+                                         or DEFAULT_CACHE_MAX_GB)),
             token_buckets=tuple(extra.get("token_buckets", ())),
             request_buckets=tuple(extra.get("request_buckets", ())),
             block_buckets=tuple(extra.get("block_buckets", ())),

@@ -67,6 +67,16 @@ class Device:
             torch.accelerator.empty_host_cache = empty_host_cache
             torch.accelerator.synchronize = synchronize
 
+    def compile_options(self) -> dict:
+        """Everything besides the traced program that decides the compiled code: part of
+        every compiled-graph cache key."""
+        options = {"backend": self.compile_backend}
+        if self.backend == "emulated":
+            # Inductor bakes the OpenMP thread count and the vector ISA into each kernel.
+            options.update(threads=torch.get_num_threads(),
+                           isa=torch.backends.cpu.get_cpu_capability())
+        return options
+
     def total_memory_bytes(self) -> int:
         if self.backend == "emulated":
             gib = envs.NEURON_SERVE_EMULATED_MEMORY_GB

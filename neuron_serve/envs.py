@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     NEURON_SERVE_DEVICE: str
     NEURON_SERVE_BACKEND: str
     NEURON_SERVE_EMULATED_MEMORY_GB: float | None
+    NEURON_SERVE_CACHE_DIR: str
+    NEURON_SERVE_CACHE_MAX_GB: float | None
+    NEURON_SERVE_COMPILE_MODE: str
 
 
 def _choice(name: str, default: str, choices: tuple[str, ...]) -> Callable[[], str]:
@@ -44,6 +47,14 @@ def _positive_float(name: str) -> Callable[[], float | None]:
     return parse
 
 
+def _cache_dir() -> str:
+    explicit = os.environ.get("NEURON_SERVE_CACHE_DIR", "").strip()
+    if explicit:
+        return explicit
+    home = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(home, "neuron-serve", "graphs")
+
+
 _PARSERS: dict[str, Callable[[], Any]] = {
     # "neuron" activates the neuron platform in vLLM (same as `--device neuron`); set by
     # the plugin itself so that vLLM's child processes, whose argv differs, follow.
@@ -53,6 +64,14 @@ _PARSERS: dict[str, Callable[[], Any]] = {
     "NEURON_SERVE_BACKEND": _choice("NEURON_SERVE_BACKEND", "auto", ("auto", "neuron", "emulated")),
     # Memory (GiB) the emulated device reports as its capacity; default: a quarter of RAM.
     "NEURON_SERVE_EMULATED_MEMORY_GB": _positive_float("NEURON_SERVE_EMULATED_MEMORY_GB"),
+    # Compiled-graph cache directory ("off" disables it); default under $XDG_CACHE_HOME.
+    # The `neuron.cache_dir` key of --additional-config wins over it.
+    "NEURON_SERVE_CACHE_DIR": _cache_dir,
+    # Size cap of the compiled-graph cache in GB (least recently used entries go first).
+    "NEURON_SERVE_CACHE_MAX_GB": _positive_float("NEURON_SERVE_CACHE_MAX_GB"),
+    # ahead | background | eager (see neuron_serve.config); `neuron.compile_mode` wins.
+    "NEURON_SERVE_COMPILE_MODE": _choice("NEURON_SERVE_COMPILE_MODE", "ahead",
+                                         ("ahead", "background", "eager")),
 }
 _cache: dict[str, Any] = {}
 

@@ -6,6 +6,8 @@ initialize_from_config → compile_or_warm_up_model → execute_model / sample_t
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.utils.torch_utils import set_random_seed
@@ -100,6 +102,15 @@ class NeuronWorker(WorkerBase):
     def compiles_after_warmup(self) -> int:
         """Graphs compiled while serving (RPC for tests and metrics; should stay 0)."""
         return self.model_runner.compiles_after_warmup
+
+    def graph_stats(self) -> dict:
+        """Compiled-graph counters (RPC for metrics and tests)."""
+        runner = self.model_runner
+        stats = dataclasses.asdict(runner.graphs.stats)
+        stats.update(num_graphs=len(runner.graphs.graphs), num_buckets=len(runner.config.grid),
+                     compile_mode=runner.config.compile_mode,
+                     compiles_after_warmup=runner.compiles_after_warmup)
+        return stats
 
     def add_lora(self, lora_request) -> bool:
         raise NotImplementedError("LoRA is not supported by neuron-serve")

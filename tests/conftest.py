@@ -29,6 +29,15 @@ TEST_ENGINE_FLAGS = ["--max-model-len", "512", "--max-num-seqs", "4", "--max-num
                      "--additional-config", TEST_BUCKETS]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def graph_cache_dir(tmp_path_factory) -> Path:
+    """One compiled-graph cache for the session, never the user's: engines of later tests
+    load the graphs earlier ones compiled. Tests of the cache itself use their own."""
+    path = tmp_path_factory.mktemp("graph-cache")
+    os.environ["NEURON_SERVE_CACHE_DIR"] = str(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     """One tiny random-weight checkpoint per family, written once per test session."""

@@ -8,7 +8,7 @@ from neuron_serve.model_runner.buckets import Bucket, build_grid, select
 
 def make(**kw) -> NeuronConfig:
     base = dict(block_size=32, max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=256,
-                compile=True)
+                compile_mode="ahead")
     return NeuronConfig(**{**base, **kw})
 
 

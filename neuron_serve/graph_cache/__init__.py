@@ -1,1 +1,2 @@
-"""(in progress; see the issues)"""
+"""Persistent compiled-graph cache: keys (key.py), storage (store.py), background
+compilation (background.py)."""

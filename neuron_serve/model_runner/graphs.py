@@ -1,19 +1,26 @@
 """One compiled graph per bucket: the whole step (model forward + last-token logits).
 
-Graphs are traced with static shapes and `fullgraph=True`. Each bucket owns persistent
-input buffers and a persistent vLLM forward context, so the guards installed when its
-graph was traced hold on every later step: a compile after warm-up means a shape or an
-object escaped the bucket discipline, and is counted (`compiles_after_warmup`).
+Each bucket's graph is compiled ahead of time (`torch.compile(...).aot_compile`) with
+static shapes and `fullgraph=True`, for that bucket's persistent input buffers and
+persistent vLLM forward context. Nothing is traced on the hot path: `run` calls the
+bucket's graph, or runs the step eagerly while the bucket has none (compile mode
+`background`, or `eager`). Graphs are stored in, and loaded from, the persistent
+compiled-graph cache (neuron_serve.graph_cache).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import io
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 import torch
 from vllm.forward_context import create_forward_context, override_forward_context
 
+from neuron_serve.graph_cache.store import GraphCache, GraphKey
 from neuron_serve.logs import init_logger
 from neuron_serve.model_runner.buckets import Bucket
 from neuron_serve.model_runner.inputs import BucketBuffers
@@ -21,59 +28,159 @@ from neuron_serve.model_runner.inputs import BucketBuffers
 logger = init_logger(__name__)
 
 
+def step(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+         logits_indices: torch.Tensor) -> torch.Tensor:
+    """The program of every graph. The model is an argument, not a constant: its weights
+    are graph inputs, so one compiled graph serves any weights of the architecture."""
+    hidden = model(input_ids=input_ids, positions=positions)
+    return model.compute_logits(hidden[logits_indices])
+
+
+@dataclass
+class GraphStats:
+    cache_hits: int = 0
+    cache_misses: int = 0  # compiled here
+    compile_seconds: float = 0.0
+    load_seconds: float = 0.0
+    eager_steps: int = 0  # steps run eagerly because their bucket had no graph yet
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    bucket_steps: collections.Counter = field(default_factory=collections.Counter)
+
+
 class StepGraphs:
     def __init__(self, model: torch.nn.Module, vllm_config, layer_names: list[str],
-                 grid: list[Bucket], device: torch.device, compile_backend: str | None):
-        self.model, self.vllm_config, self.layer_names = model, vllm_config, layer_names
+                 grid: list[Bucket], device: torch.device, compile_backend: str | None,
+                 cache: GraphCache | None = None,
+                 key_of: Callable[[Bucket], GraphKey] | None = None):
+        self.model, self.vllm_config = model, vllm_config
+        self.compile_backend, self.cache, self.key_of = compile_backend, cache, key_of
         self.buffers = {b: BucketBuffers(b, device) for b in grid}
         self._contexts = {b: create_forward_context(
             {name: buf.attn_metadata for name in layer_names}, vllm_config)
             for b, buf in self.buffers.items()}
+        self.graphs: dict[Bucket, Callable] = {}
+        self.stats = GraphStats()
         self.num_compiles = 0
         self._warm_compiles: int | None = None
-        self._fn: Callable = self._step
-        if compile_backend is not None:
-            # One code object, one graph per input shape: lift dynamo's per-code cap.
-            torch._dynamo.config.cache_size_limit = max(
-                torch._dynamo.config.cache_size_limit, 2 * len(grid) + 8)
-            torch._dynamo.config.accumulated_cache_size_limit = max(
-                torch._dynamo.config.accumulated_cache_size_limit, 4 * len(grid) + 64)
-            self._fn = torch.compile(self._step, backend=self._counting(compile_backend),
-                                     fullgraph=True, dynamic=False)
 
-    def _counting(self, backend: str) -> Callable:
-        inner = torch._dynamo.lookup_backend(backend)
+    # ---- serving ---------------------------------------------------------------------
 
-        def compile_and_count(gm, example_inputs):
-            self.num_compiles += 1
-            return inner(gm, example_inputs)
-        return compile_and_count
-
-    def _step(self, input_ids: torch.Tensor, positions: torch.Tensor,
-              logits_indices: torch.Tensor) -> torch.Tensor:
-        hidden = self.model(input_ids=input_ids, positions=positions)
-        return self.model.compute_logits(hidden[logits_indices])
-
-    def run(self, bucket: Bucket) -> torch.Tensor:
+    def run(self, bucket: Bucket, num_real_tokens: int | None = None) -> torch.Tensor:
         """Logits [bucket.num_reqs, vocab] for the inputs already in the bucket's buffers."""
         buf = self.buffers[bucket]
+        fn = self.graphs.get(bucket)
+        if num_real_tokens is not None:
+            self.stats.real_tokens += num_real_tokens
+            self.stats.padded_tokens += bucket.num_tokens
+            self.stats.bucket_steps[str(bucket)] += 1
+            if fn is None and self.compile_backend is not None:
+                self.stats.eager_steps += 1
         # no_grad here, not at the call sites: grad mode is part of every graph's guards.
         with torch.no_grad(), override_forward_context(self._contexts[bucket]):
-            return self._fn(buf.input_ids, buf.positions, buf.logits_indices)
+            return (fn or step)(self.model, buf.input_ids, buf.positions, buf.logits_indices)
 
-    def warm_up(self) -> float:
-        """Trace and compile every bucket on padding-only inputs (they write only into the
-        null block). Returns the seconds spent."""
+    # ---- compiling and loading -------------------------------------------------------
+
+    def warm_up(self, compile_missing: bool = True, progress: Callable | None = None,
+                buckets: Iterable[Bucket] | None = None) -> float:
+        """Give every bucket a graph: load it from the cache, else compile (and store) it
+        if `compile_missing`. Under the cache's per-graph lock: processes sharing a cache
+        directory compile each graph once and load the others' work. Returns seconds."""
         start = time.monotonic()
-        for i, bucket in enumerate(self.buffers, 1):
-            t0 = time.monotonic()
-            self.buffers[bucket].fill({})
-            self.run(bucket)
-            logger.info("warm-up bucket %d/%d %s: %.1f s", i, len(self.buffers), bucket,
-                        time.monotonic() - t0)
+        pending = [b for b in (buckets or self.buffers) if b not in self.graphs]
+        total = len(pending)
+
+        def attempt(bucket: Bucket, blocking: bool) -> bool:
+            with self._graph_lock(bucket, blocking) as got:
+                if not got:
+                    return False
+                how = self._load_or_compile(bucket, compile_missing)
+            pending.remove(bucket)
+            if progress:
+                progress(total - len(pending), total, bucket, how, time.monotonic() - start)
+            return True
+
+        while pending:
+            # Skip graphs another process is compiling; wait only when nothing else is left.
+            if not [b for b in list(pending) if attempt(b, blocking=False)]:
+                attempt(pending[0], blocking=True)
         self._warm_compiles = self.num_compiles
         return time.monotonic() - start
+
+    def _graph_lock(self, bucket: Bucket, blocking: bool):
+        if self.cache is None:
+            return contextlib.nullcontext(True)
+        return self.cache.lock(self.key_of(bucket).digest, blocking=blocking)
+
+    def _load_or_compile(self, bucket: Bucket, compile_missing: bool) -> str:
+        key = self.key_of(bucket) if self.cache is not None else None
+        if key is not None and self.try_load(bucket, key):
+            return "loaded"
+        if not compile_missing:
+            return "missing"
+        t0 = time.monotonic()
+        fn = self._compile(bucket)
+        seconds = time.monotonic() - t0
+        self.stats.cache_misses += 1
+        self.stats.compile_seconds += seconds
+        if key is not None:
+            data = type(fn).serialize(fn).serialized_data
+            self.cache.store(key, data, seconds)
+        self.graphs[bucket] = fn
+        return f"compiled in {seconds:.1f} s"
+
+    def try_load(self, bucket: Bucket, key: GraphKey | None = None) -> bool:
+        """Load the bucket's graph from the cache and check it runs; a graph that fails to
+        load or run is evicted (warning) and False returned."""
+        key = key or self.key_of(bucket)
+        t0 = time.monotonic()
+        data = self.cache.load(key)
+        if data is None:
+            return False
+        try:
+            fn = torch.compiler.load_compiled_function(io.BytesIO(data), f_globals=step.__globals__)
+            self._smoke_run(bucket, fn)
+        except Exception as e:  # noqa: BLE001 - any unusable entry is rebuilt, never fatal
+            self.cache.evict(key.digest, f"cannot load: {type(e).__name__}: {e}")
+            return False
+        self.graphs[bucket] = fn
+        self.stats.cache_hits += 1
+        self.stats.load_seconds += time.monotonic() - t0
+        return True
+
+    def _compile(self, bucket: Bucket) -> Callable:
+        self.buffers[bucket].fill({})  # padding only: writes reach the null block alone
+        compiled = torch.compile(step, backend=self.compile_backend, fullgraph=True, dynamic=False)
+        buf = self.buffers[bucket]
+        with torch.no_grad(), override_forward_context(self._contexts[bucket]):
+            fn = compiled.aot_compile(
+                ((self.model, buf.input_ids, buf.positions, buf.logits_indices), {}))
+        self.num_compiles += 1
+        self._smoke_run(bucket, fn)
+        return fn
+
+    def _smoke_run(self, bucket: Bucket, fn: Callable) -> None:
+        buf = self.buffers[bucket]
+        buf.fill({})
+        with torch.no_grad(), override_forward_context(self._contexts[bucket]):
+            out = fn(self.model, buf.input_ids, buf.positions, buf.logits_indices)
+        if out.shape[0] != bucket.num_reqs:
+            raise RuntimeError(f"graph returned {tuple(out.shape)} logits for bucket {bucket}")
+
+    def load_ready(self, buckets: Iterable[Bucket]) -> list[Bucket]:
+        """Load whichever of `buckets` the cache now has (background compilation)."""
+        return [b for b in buckets if b not in self.graphs and self.try_load(b)]
 
     @property
     def compiles_after_warmup(self) -> int:
         return 0 if self._warm_compiles is None else self.num_compiles - self._warm_compiles
+
+
+def log_progress(done: int, total: int, bucket: Bucket, how: str, elapsed: float) -> None:
+    """One line per graph: a bar, bucket i of N, elapsed and an ETA from the mean so far."""
+    width = 20
+    filled = width * done // total
+    eta = elapsed / done * (total - done)
+    logger.info("graphs [%s%s] %d/%d %s %s | elapsed %.0f s | ETA %.0f s",
+                "#" * filled, "." * (width - filled), done, total, bucket, how, elapsed, eta)

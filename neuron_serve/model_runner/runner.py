@@ -7,6 +7,9 @@ sample with vLLM's Sampler → record the new tokens.
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import numpy as np
 import torch
 from vllm.config import VllmConfig
@@ -23,8 +26,11 @@ from vllm.v1.worker.utils import allocate_kv_cache, bind_kv_cache
 
 from neuron_serve import device as device_mod
 from neuron_serve.config import NeuronConfig
+from neuron_serve.graph_cache import background
+from neuron_serve.graph_cache.key import graph_key
+from neuron_serve.graph_cache.store import GraphCache
 from neuron_serve.logs import init_logger
-from neuron_serve.model_runner.graphs import StepGraphs
+from neuron_serve.model_runner.graphs import StepGraphs, log_progress
 from neuron_serve.model_runner.inputs import StepPlan, plan_step
 
 logger = init_logger(__name__)
@@ -41,6 +47,8 @@ class NeuronModelRunner:
         self.sampler = Sampler(logprobs_mode=self.model_config.logprobs_mode)
         self.model: torch.nn.Module | None = None
         self.graphs: StepGraphs | None = None
+        self.kv_cache_config: KVCacheConfig | None = None
+        self.background: background.BackgroundCompile | None = None
         self.kv_caches: list[torch.Tensor] = []
         self._pending: tuple[StepPlan, torch.Tensor, SchedulerOutput] | None = None
 
@@ -67,7 +75,9 @@ class NeuronModelRunner:
                  for name, layer in self.attention_layers().items()}
         return {name: spec for name, spec in specs.items() if spec is not None}
 
-    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig, lazy: bool = False) -> None:
+        """Allocate the KV cache and set up the bucket graphs. `lazy` (compile-only
+        processes) leaves the pages uncommitted: such a process never reads them."""
         if len(kv_cache_config.kv_cache_groups) != 1:
             raise NotImplementedError("neuron-serve supports models with one KV-cache group "
                                       f"(got {len(kv_cache_config.kv_cache_groups)})")
@@ -76,7 +86,8 @@ class NeuronModelRunner:
             raise RuntimeError(f"KV cache block size {block_size} differs from the one the "
                                f"buckets were planned for ({self.config.block_size})")
         layout = self.vllm_config.cache_config.get_resolved_kv_cache_layout()
-        views = allocate_kv_cache(kv_cache_config, self.device, layout)
+        with background.uncommitted_zeros() if lazy else contextlib.nullcontext():
+            views = allocate_kv_cache(kv_cache_config, self.device, layout)
         # [blocks, kv heads, block size, 2 * head] → token-major [blocks, block size, kv heads, 2 * head]
         caches = {name: t.permute(0, 2, 1, 3) for name, t in views.items()}
         if not all(t.is_contiguous() for t in caches.values()):
@@ -84,16 +95,37 @@ class NeuronModelRunner:
                                "attention backend declares LBNHC")
         bind_kv_cache(caches, self.vllm_config.compilation_config.static_forward_context,
                       self.kv_caches)
-        dev = device_mod.current()
-        self.graphs = StepGraphs(self.model, self.vllm_config, list(caches), list(self.config.grid),
-                                 self.device, dev.compile_backend if self.config.compile else None)
+        self.kv_cache_config = kv_cache_config
+        self.graphs = self._make_graphs(list(caches), kv_cache_config.num_blocks)
 
-    def warm_up(self) -> float:
-        """Compile every bucket before serving; seconds spent (0 in eager mode)."""
-        if not self.config.compile:
+    def _make_graphs(self, layer_names: list[str], num_blocks: int) -> StepGraphs:
+        dev, cfg = device_mod.current(), self.config
+        cache = key_of = None
+        if cfg.compile and cfg.cache_dir:
+            cache = GraphCache(cfg.cache_dir, int(cfg.cache_max_gb * 1e9))
+            # The emulated compiler's kernel builds live in the cache too: self-contained,
+            # pruned and exported with it.
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache.inductor_dir)
+            options = dev.compile_options()
+            key_of = lambda bucket: graph_key(self.vllm_config, bucket, num_blocks, options)  # noqa: E731
+        return StepGraphs(self.model, self.vllm_config, layer_names, list(cfg.grid), self.device,
+                          dev.compile_backend if cfg.compile else None, cache, key_of)
+
+    def warm_up(self, progress=log_progress) -> float:
+        """Give buckets their graphs per the compile mode; seconds spent."""
+        mode = self.config.compile_mode
+        if mode == "eager":
             return 0.0
-        seconds = self.graphs.warm_up()
-        logger.info("compiled %d buckets in %.1f s", len(self.config.grid), seconds)
+        seconds = self.graphs.warm_up(compile_missing=mode == "ahead", progress=progress)
+        missing = [b for b in self.config.grid if b not in self.graphs.graphs]
+        if missing:
+            self.background = background.BackgroundCompile.start(
+                self.vllm_config, self.kv_cache_config, missing)
+        stats = self.graphs.stats
+        logger.info("%d of %d bucket graphs ready in %.1f s (%d loaded from %s, %d compiled)%s",
+                    len(self.graphs.graphs), len(self.config.grid), seconds, stats.cache_hits,
+                    self.config.cache_dir, stats.cache_misses,
+                    f"; compiling {len(missing)} in the background" if missing else "")
         return seconds
 
     # ---- per step --------------------------------------------------------------------
@@ -109,8 +141,10 @@ class NeuronModelRunner:
                                  batch.num_tokens_no_spec[:n],
                                  batch.block_table[0].get_numpy_array(), num_scheduled,
                                  self.config.block_size, self.config.grid)
+        if self.background is not None and self.background.poll(self.graphs):
+            self.background = None
         self.graphs.buffers[plan.bucket].fill(arrays)
-        logits = self.graphs.run(plan.bucket)[:n]
+        logits = self.graphs.run(plan.bucket, plan.num_tokens)[:n]
         self._pending = (plan, logits, scheduler_output)
         return None  # sample_tokens follows, with the grammar bitmask if any
 

