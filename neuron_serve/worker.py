@@ -107,6 +107,7 @@ class NeuronWorker(WorkerBase):
         """Compiled-graph counters (RPC for metrics and tests)."""
         runner = self.model_runner
         stats = dataclasses.asdict(runner.graphs.stats)
+        stats["bucket_steps"] = dict(runner.graphs.stats.bucket_steps)  # asdict mangles Counters
         stats.update(num_graphs=len(runner.graphs.graphs), num_buckets=len(runner.config.grid),
                      compile_mode=runner.config.compile_mode,
                      compiles_after_warmup=runner.compiles_after_warmup)

@@ -48,8 +48,15 @@ class BackgroundCompile:
 
         root = Path(NeuronConfig.from_vllm_config(vllm_config).cache_dir)
         fd, job = tempfile.mkstemp(dir=root, prefix=".background-", suffix=".pkl")
-        with os.fdopen(fd, "wb") as f:
-            pickle.dump((vllm_config, kv_cache_config, buckets, torch.get_num_threads()), f)
+        # Without the layers registered in the forward context (they hold the KV cache):
+        # the child builds its own.
+        compilation = vllm_config.compilation_config
+        layers, compilation.static_forward_context = compilation.static_forward_context, {}
+        try:
+            with os.fdopen(fd, "wb") as f:
+                pickle.dump((vllm_config, kv_cache_config, buckets, torch.get_num_threads()), f)
+        finally:
+            compilation.static_forward_context = layers
         process = subprocess.Popen([sys.executable, "-m", __name__, job])
         logger.info("compiling %d bucket graphs in background process %d", len(buckets), process.pid)
         return cls(process, list(buckets), root / "manifest.json")
@@ -87,16 +94,18 @@ def main(job: str) -> None:
     os.unlink(job)
     torch.set_num_threads(threads)  # part of every graph's key
     vllm_config.load_config.load_format = "dummy"
+    from vllm.config import set_current_vllm_config
+
+    from neuron_serve.model_runner.graphs import log_progress
     from neuron_serve.worker import NeuronWorker
 
     worker = NeuronWorker(vllm_config, local_rank=0, rank=0,
                           distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
-    worker.init_device()
-    worker.load_model()
-    worker.model_runner.initialize_kv_cache(kv_cache_config, lazy=True)
-    from neuron_serve.model_runner.graphs import log_progress
-
-    worker.model_runner.graphs.warm_up(buckets=buckets, progress=log_progress)
+    with set_current_vllm_config(vllm_config):
+        worker.init_device()
+        worker.load_model()
+        worker.model_runner.initialize_kv_cache(kv_cache_config, lazy=True)
+        worker.model_runner.graphs.warm_up(buckets=buckets, progress=log_progress)
 
 
 if __name__ == "__main__":

@@ -97,7 +97,7 @@ class StepGraphs:
                     return False
                 how = self._load_or_compile(bucket, compile_missing)
             pending.remove(bucket)
-            if progress:
+            if progress and how != "missing":
                 progress(total - len(pending), total, bucket, how, time.monotonic() - start)
             return True
 
