@@ -1,8 +1,17 @@
 """Bucket grid planning, bucket choice and the validation of bucket settings."""
 
+import itertools
+import json
+import random
+import subprocess
+from collections import Counter
+
 import pytest
+from conftest import VENV_BIN
 
 from neuron_serve.config import NeuronConfig
+from neuron_serve.model_runner.bucket_planner import (best_buckets, demand, evaluate,
+                                                      padded_cost, read_trace, suggest)
 from neuron_serve.model_runner.buckets import Bucket, build_grid, select
 
 
@@ -45,6 +54,9 @@ def test_select_explains_a_step_no_bucket_holds():
     (dict(block_buckets=(8, 16)), "cannot hold max_model_len \\(1024\\): add a block bucket ≥ 32"),
     (dict(token_buckets=(256, 64)), "sorted and without duplicates"),
     (dict(request_buckets=(0, 16)), "positive integers"),
+    (dict(compile_mode="later"), "compile_mode='later' is not valid; use one of"),
+    (dict(compile_mode="background", cache_dir=None), "background.*cache.*is off: set neuron.cache_dir"),
+    (dict(cache_max_gb=0), "cache_max_gb must be positive"),
 ])
 def test_bad_bucket_settings_name_the_limit(kw, message):
     with pytest.raises(ValueError, match=message):
@@ -55,3 +67,66 @@ def test_attention_scratch_cap_names_the_bucket():
     cfg = make(max_model_len=32768, max_num_batched_tokens=2048, max_attention_scratch_gb=1.0)
     with pytest.raises(ValueError, match="bucket t2048-r16-b1024 needs .* GiB of attention scratch"):
         cfg.check_attention_scratch((8, 128, 2))
+
+
+# ---- buckets suggest -------------------------------------------------------------------
+
+def brute_force(counts: Counter, k: int, cap: int) -> int:
+    """Least padding over every set of at most k buckets ending at cap."""
+    return min(padded_cost([*edges, cap], counts)
+               for n in range(k) for edges in itertools.combinations(range(1, cap), n))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_best_buckets_is_optimal_against_brute_force(seed):
+    rng = random.Random(seed)
+    cap = rng.choice([12, 20, 32])
+    counts = Counter({rng.randint(1, cap): rng.randint(1, 9) for _ in range(rng.randint(1, 8))})
+    k = rng.randint(1, 4)
+    edges, cost = best_buckets(counts, k, cap)
+    assert cost == brute_force(counts, k, cap)
+    assert edges[-1] == cap and len(edges) <= k and edges == sorted(edges)
+
+
+def write_trace(path, rows) -> str:
+    path.write_text("\n".join(json.dumps({"prompt_tokens": p, "output_tokens": o}) for p, o in rows))
+    return str(path)
+
+
+def test_suggest_finds_the_known_optimum_of_a_two_length_trace(tmp_path):
+    """Prompts of exactly 96 and 256 tokens: with room for two token buckets, [96, 256]
+    is the only choice without prefill padding, and nothing in the budget pads less."""
+    rows = [(96, 32)] * 30 + [(256, 32)] * 10
+    d = demand(rows, max_num_batched_tokens=256, block_size=32, max_model_len=512)
+    plan = suggest(d, request_buckets=[1, 4], max_graphs=8, max_num_batched_tokens=256,
+                   max_blocks=16, block_size=32)
+    assert plan.token_buckets == [96, 256]
+    assert plan.num_graphs <= 8
+    default = evaluate(d, [64, 256], [1, 4], [8, 16], block_size=32)
+    assert plan.padded_tokens < default.padded_tokens
+    # Exhaustive check of the whole search: no 8-graph set pads less.
+    best = min(evaluate(d, [*t, 256], [1, 4], [*b, 16], 32).padded_tokens
+               for nt in range(2) for t in itertools.combinations(range(1, 256), nt)
+               for nb in range(3) for b in itertools.combinations(range(1, 16), nb)
+               if (2 + nt + 1) * (nb + 1) <= 8)
+    assert plan.padded_tokens == best
+
+
+def test_suggest_command_prints_default_and_proposal_waste(tmp_path):
+    trace = write_trace(tmp_path / "trace.jsonl", [(96, 32)] * 30 + [(256, 32)] * 10)
+    out = subprocess.run([str(VENV_BIN / "neuron-serve"), "buckets", "suggest", "--trace", trace,
+                          "--max-graphs", "8", "--max-num-seqs", "4", "--max-num-batched-tokens",
+                          "256", "--max-model-len", "512"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("default ") and "waste" in lines[0]
+    assert lines[1].startswith("proposal ") and "token [96, 256]" in lines[1]
+    config = json.loads(lines[2].split("--additional-config ")[1].strip("'"))
+    assert config["neuron"]["token_buckets"] == [96, 256]
+
+
+def test_a_bad_trace_line_is_named(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt_tokens": 5, "output_tokens": 1}\n{"prompt": 5}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2: expected"):
+        read_trace(path)

@@ -6,9 +6,11 @@ import uuid
 
 from fastapi import FastAPI
 from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from vllm.engine.protocol import EngineClient
 
 from neuron_serve.server.errors import register_error_handlers
+from neuron_serve.server.metrics import render as render_metrics
 from neuron_serve.server.protocol import CompletionRequest, CompletionResponse, ModelCard, ModelList
 from neuron_serve.server.serving import CompletionService
 
@@ -24,6 +26,10 @@ def build_app(engine: EngineClient, served_names: list[str]) -> FastAPI:
     async def health() -> Response:
         await engine.check_health()
         return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(await render_metrics(engine), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
