@@ -1,10 +1,19 @@
-"""Engine start time on the neuron platform: eager vs compiled (every bucket warmed up).
+"""Time to ready, cold vs warm compiled-graph cache, and serve-while-compiling.
 
-    .venv/bin/python benchmarks/engine_start.py [MODEL] [--repeats N]
+    .venv/bin/python benchmarks/engine_start.py [--model demo|smollm2-135m|PATH] [--repeats 3]
 
-Starts vLLM's offline engine on our platform with neuron-serve's default serving limits
-(the same bucket grid `neuron-serve serve` uses), in fresh processes, and prints the
-median / min / max seconds from constructor call to ready, plus the graph count.
+Each start is a fresh process running vLLM's offline engine on our platform with
+neuron-serve's serving defaults (16 sequences, 256 tokens per step, max_model_len 1024:
+10 bucket graphs) and a fixed 1 GiB KV cache. Timed from process spawn (imports included)
+to "ready" (engine constructed) and to the first served request (8 greedy tokens):
+
+    eager       compile_mode eager: no graphs at all
+    cold        compile_mode ahead, empty cache directory (kernel build cache included)
+    warm        compile_mode ahead, the directory the cold start just filled
+    background  compile_mode background, empty cache directory: ready at once, eager
+                until graphs arrive (the background compiler dies with the engine)
+
+Prints a markdown table of medians (min-max) and the graph counters of each mode.
 """
 
 from __future__ import annotations
@@ -15,53 +24,81 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 CHILD = """
 import json, os, sys, time
 os.environ["NEURON_SERVE_DEVICE"] = "neuron"
-from vllm import LLM
+from vllm import LLM, SamplingParams
 if __name__ == "__main__":
-    model, eager, seqs, tokens = sys.argv[1], sys.argv[2] == "eager", int(sys.argv[3]), int(sys.argv[4])
-    t0 = time.monotonic()
-    llm = LLM(model=model, enforce_eager=eager, max_num_seqs=seqs, max_num_batched_tokens=tokens,
-              kv_cache_memory_bytes=1 << 30)
-    ready = time.monotonic() - t0
-    after = sum(llm.collective_rpc("compiles_after_warmup"))
-    print("RESULT " + json.dumps({"seconds": ready, "compiles_after_warmup": after}), flush=True)
+    model, mode, cache = sys.argv[1:4]
+    llm = LLM(model=model, max_num_seqs=16, max_num_batched_tokens=256, max_model_len=1024,
+              kv_cache_memory_bytes=1 << 30,
+              additional_config={"neuron": {"compile_mode": mode, "cache_dir": cache}})
+    print("READY", flush=True)
+    llm.generate({"prompt_token_ids": list(range(5, 45))},
+                 SamplingParams(max_tokens=8, min_tokens=8, temperature=0), use_tqdm=False)
+    print("FIRST", flush=True)
+    print("STATS " + json.dumps(llm.collective_rpc("graph_stats")[0]), flush=True)
+    llm.llm_engine.engine_core.shutdown()
 """
 
 
-def start_once(model: str, mode: str) -> dict:
-    """mode: eager | compiled (inductor caches off: a true cold start) | compiled-warm
-    (inductor's own on-disk FX-graph cache left on and primed by the previous runs)."""
-    from neuron_serve.cli import SERVE_DEFAULTS
+def start_once(model: str, mode: str, cache: str) -> dict:
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, model, mode, cache],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    result = {}
+    for line in proc.stdout:
+        if line.startswith(("READY", "FIRST")):
+            result[line.split()[0].lower()] = time.monotonic() - t0
+        elif line.startswith("STATS "):
+            result["stats"] = json.loads(line.removeprefix("STATS "))
+    if proc.wait() != 0 or len(result) != 3:
+        raise RuntimeError(f"{mode} start failed (exit {proc.returncode}): {result}")
+    return result
 
-    env = dict(os.environ)
-    if mode == "compiled":
-        env.update(TORCHINDUCTOR_FX_GRAPH_CACHE="0", TORCHINDUCTOR_AUTOGRAD_CACHE="0")
-    out = subprocess.run([sys.executable, "-c", CHILD, model, mode.split("-")[0],
-                          str(SERVE_DEFAULTS["max_num_seqs"]), str(SERVE_DEFAULTS["max_num_batched_tokens"])],
-                         capture_output=True, text=True, env=env, check=True)
-    (line,) = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
-    return json.loads(line.removeprefix("RESULT "))
+
+def one_round(model: str) -> dict[str, dict]:
+    with tempfile.TemporaryDirectory() as cold_dir, tempfile.TemporaryDirectory() as bg_dir:
+        return {"eager": start_once(model, "eager", "off"),
+                "cold": start_once(model, "ahead", cold_dir),
+                "warm": start_once(model, "ahead", cold_dir),
+                "background": start_once(model, "background", bg_dir)}
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
 
 
 def main() -> None:
     from neuron_serve.models import DEMO_MODEL_DIR
+    from shapes import SHAPES, checkpoint
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", nargs="?", default=str(DEMO_MODEL_DIR))
+    parser.add_argument("--model", default="demo")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    print(f"model: {args.model}")
-    print("| mode | median s | min s | max s | compiles after warm-up |")
-    print("|---|---|---|---|---|")
-    for mode in ("eager", "compiled", "compiled-warm"):
-        runs = [start_once(args.model, mode) for _ in range(args.repeats)]
-        secs = [r["seconds"] for r in runs]
-        print(f"| {mode} | {statistics.median(secs):.1f} | {min(secs):.1f} | {max(secs):.1f} | "
-              f"{max(r['compiles_after_warmup'] for r in runs)} |", flush=True)
+    model = str(DEMO_MODEL_DIR if args.model == "demo" else
+                checkpoint(args.model) if args.model in SHAPES else args.model)
+    rounds = [one_round(model) for _ in range(args.repeats)]
+    print(f"model: {args.model}, {args.repeats} rounds, torch threads {os.cpu_count()} cores")
+    print("| mode | ready s | first request s | graphs loaded | compiled | eager steps |")
+    print("|---|---|---|---|---|---|")
+    for mode in rounds[0]:
+        runs = [r[mode] for r in rounds]
+        last = runs[-1]["stats"]
+        print(f"| {mode} | {spread([r['ready'] for r in runs])} | "
+              f"{spread([r['first'] for r in runs])} | {last['cache_hits']} | "
+              f"{last['cache_misses']} | {last['eager_steps']} |")
+    med = lambda mode, key: statistics.median(r[mode][key] for r in rounds)  # noqa: E731
+    print(f"warm / cold ready: {med('warm', 'ready') / med('cold', 'ready'):.1%}; "
+          f"background first request / eager ready: "
+          f"{med('background', 'first') / med('eager', 'ready'):.2f}")
 
 
 if __name__ == "__main__":

@@ -113,6 +113,10 @@ class NeuronWorker(WorkerBase):
                      compiles_after_warmup=runner.compiles_after_warmup)
         return stats
 
+    def shutdown(self) -> None:
+        if self.model_runner is not None and self.model_runner.background is not None:
+            self.model_runner.background.stop()
+
     def add_lora(self, lora_request) -> bool:
         raise NotImplementedError("LoRA is not supported by neuron-serve")
 

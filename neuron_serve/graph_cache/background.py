@@ -16,6 +16,8 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -61,6 +63,10 @@ class BackgroundCompile:
         logger.info("compiling %d bucket graphs in background process %d", len(buckets), process.pid)
         return cls(process, list(buckets), root / "manifest.json")
 
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+
     def poll(self, graphs) -> bool:
         """Load graphs the child has stored since the last call (cheap when none has: one
         stat). True when nothing is left to wait for."""
@@ -88,7 +94,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _exit_with_parent() -> None:
+    """Stop compiling for a server that is gone (re-parented means the parent died)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1)
+        os._exit(0)
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def main(job: str) -> None:
+    _exit_with_parent()
     with open(job, "rb") as f:
         vllm_config, kv_cache_config, buckets, threads = pickle.load(f)
     os.unlink(job)

@@ -66,16 +66,15 @@ class StepGraphs:
 
     # ---- serving ---------------------------------------------------------------------
 
-    def run(self, bucket: Bucket, num_real_tokens: int | None = None) -> torch.Tensor:
+    def run(self, bucket: Bucket, num_real_tokens: int) -> torch.Tensor:
         """Logits [bucket.num_reqs, vocab] for the inputs already in the bucket's buffers."""
         buf = self.buffers[bucket]
         fn = self.graphs.get(bucket)
-        if num_real_tokens is not None:
-            self.stats.real_tokens += num_real_tokens
-            self.stats.padded_tokens += bucket.num_tokens
-            self.stats.bucket_steps[str(bucket)] += 1
-            if fn is None and self.compile_backend is not None:
-                self.stats.eager_steps += 1
+        self.stats.real_tokens += num_real_tokens
+        self.stats.padded_tokens += bucket.num_tokens
+        self.stats.bucket_steps[str(bucket)] += 1
+        if fn is None and self.compile_backend is not None:
+            self.stats.eager_steps += 1
         # no_grad here, not at the call sites: grad mode is part of every graph's guards.
         with torch.no_grad(), override_forward_context(self._contexts[bucket]):
             return (fn or step)(self.model, buf.input_ids, buf.positions, buf.logits_indices)
@@ -103,7 +102,10 @@ class StepGraphs:
 
         while pending:
             # Skip graphs another process is compiling; wait only when nothing else is left.
-            if not [b for b in list(pending) if attempt(b, blocking=False)]:
+            progressed = False
+            for bucket in list(pending):
+                progressed |= attempt(bucket, blocking=False)
+            if not progressed:
                 attempt(pending[0], blocking=True)
         self._warm_compiles = self.num_compiles
         return time.monotonic() - start
