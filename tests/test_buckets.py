@@ -69,6 +69,27 @@ def test_attention_scratch_cap_names_the_bucket():
         cfg.check_attention_scratch((8, 128, 2))
 
 
+def test_bucket_flags_of_our_server_land_in_the_neuron_section():
+    from neuron_serve.cli import _merge_neuron_flags, build_parser
+
+    args = build_parser().parse_args([
+        "serve", "--token-buckets", "64,256", "--compile-mode", "background",
+        "--graph-cache-dir", "/tmp/g", "--additional-config",
+        '{"neuron": {"block_buckets": [8, 32], "token_buckets": [16]}, "other": 1}'])
+    _merge_neuron_flags(args)
+    assert args.additional_config == {"other": 1, "neuron": {
+        "block_buckets": [8, 32], "token_buckets": [64, 256], "compile_mode": "background",
+        "cache_dir": "/tmp/g"}}
+
+
+def test_a_bad_bucket_flag_is_refused_by_the_parser(capsys):
+    from neuron_serve.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--token-buckets", "64,lots"])
+    assert "expected comma-separated integers, got '64,lots'" in capsys.readouterr().err
+
+
 # ---- buckets suggest -------------------------------------------------------------------
 
 def brute_force(counts: Counter, k: int, cap: int) -> int:

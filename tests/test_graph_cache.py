@@ -88,6 +88,26 @@ def test_a_second_start_in_a_fresh_process_compiles_nothing(tiny_llama, shared_d
            "0 compiled" in out.stdout
 
 
+def cache_command(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(VENV_BIN / "neuron-serve"), "cache", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cache_commands_list_verify_and_move_the_cache(shared_dir, tmp_path):
+    listing = cache_command("--dir", str(shared_dir), "ls").stdout
+    assert f"{NUM_BUCKETS} graphs" in listing
+    assert len(re.findall(r"LlamaForCausalLM t\d+-r\d+-b\d+", listing)) == NUM_BUCKETS
+    verify = cache_command("--dir", str(shared_dir), "verify")
+    assert verify.returncode == 0 and f"{NUM_BUCKETS} ok, 0 evicted" in verify.stdout
+    archive = tmp_path / "graphs.tar.gz"
+    assert cache_command("--dir", str(shared_dir), "export", str(archive)).returncode == 0
+    imported = cache_command("--dir", str(tmp_path / "other"), "import", str(archive))
+    assert f"imported {NUM_BUCKETS} graphs" in imported.stdout
+    assert cache_command("--dir", str(tmp_path / "other"), "verify").returncode == 0
+    assert cache_command("--dir", str(tmp_path / "other"), "prune", "--max-gb", "0").returncode == 0
+    assert "0 graphs" in cache_command("--dir", str(tmp_path / "other"), "ls").stdout
+
+
 def corrupt_three_entries(cache_dir) -> None:
     manifest_path = cache_dir / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
