@@ -105,8 +105,19 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
+def _lowest_priority() -> None:
+    """Serving steps first; compiling takes what they leave. SCHED_IDLE (Linux) runs only
+    on otherwise idle cores: a mere nice level still preempts the server's OpenMP threads,
+    and one late thread stalls a whole parallel region. Inherited by the compiler workers."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        os.nice(19)
+
+
 def main(job: str) -> None:
     _exit_with_parent()
+    _lowest_priority()
     with open(job, "rb") as f:
         vllm_config, kv_cache_config, buckets, threads = pickle.load(f)
     os.unlink(job)
