@@ -1,6 +1,8 @@
-"""Completions: OpenAI request → vLLM SamplingParams → engine → OpenAI response.
+"""OpenAI request → vLLM SamplingParams → engine → OpenAI response.
 
-Engine-agnostic: works with any vLLM `EngineClient` (AsyncLLM in production).
+`GenerationService` holds what completions and chat share (model check, prompt tokens,
+sampling parameters, submitting to the engine); `CompletionService` renders completions
+(chat.py renders chat). Engine-agnostic: any vLLM `EngineClient` (AsyncLLM in production).
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.utils.async_utils import merge_async_iterators
 
 from neuron_serve.server.errors import ServerError
-from neuron_serve.server.protocol import (CompletionChoice, CompletionRequest,
-                                          CompletionResponse, Usage)
+from neuron_serve.server.protocol import (ChatMessage, CompletionChoice, CompletionRequest,
+                                          CompletionResponse, SamplingRequest, Usage)
 
 
-class CompletionService:
+class GenerationService:
     def __init__(self, engine: EngineClient, served_names: list[str]):
         self.engine = engine
         self.served_names = served_names
@@ -45,8 +47,22 @@ class CompletionService:
             raise ServerError("prompt must not be empty", param="prompt")
         return [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
 
-    def sampling_params(self, req: CompletionRequest, prompt_len: int) -> SamplingParams:
-        max_tokens = req.max_tokens or self.max_model_len - prompt_len
+    def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        """The conversation through the model's chat template, as token ids."""
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ServerError("this model has no chat template; use /v1/completions",
+                              param="messages")
+        turns = [{"role": m.role, "content": _text_content(m.content)} for m in messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                turns, add_generation_prompt=add_generation_prompt, tokenize=False)
+        except Exception as exc:  # noqa: BLE001 - templates raise anything; the input is at fault
+            raise ServerError(f"the chat template rejected the messages: {exc}",
+                              param="messages") from exc
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def sampling_params(self, req: SamplingRequest, prompt_len: int) -> SamplingParams:
+        max_tokens = req.requested_max_tokens or self.max_model_len - prompt_len
         if prompt_len + max_tokens > self.max_model_len:
             raise ServerError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the "
@@ -63,9 +79,9 @@ class CompletionService:
             output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
         )
 
-    def _generate(self, req: CompletionRequest, request_id: str) -> tuple[list[list[int]], AsyncIterator]:
-        self.check_model(req.model)
-        prompts = self.prompt_token_ids(req.prompt)
+    def generate(self, req: SamplingRequest, request_id: str,
+                 prompts: list[list[int]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Submit every prompt; outputs of all of them, tagged with the prompt's index."""
         try:
             streams = [self.engine.generate(TokensPrompt(prompt_token_ids=ids),
                                             self.sampling_params(req, len(ids)),
@@ -73,7 +89,22 @@ class CompletionService:
                        for i, ids in enumerate(prompts)]
         except ValueError as exc:
             raise ServerError(str(exc)) from exc
-        return prompts, merge_async_iterators(*streams)
+        return merge_async_iterators(*streams)
+
+
+def _text_content(content: str | list[dict] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if any(part.get("type") != "text" for part in content):
+        raise ServerError("only text content parts are supported", param="messages")
+    return "".join(part.get("text", "") for part in content)
+
+
+class CompletionService(GenerationService):
+    def _generate(self, req: CompletionRequest, request_id: str) -> tuple[list[list[int]], AsyncIterator]:
+        self.check_model(req.model)
+        prompts = self.prompt_token_ids(req.prompt)
+        return prompts, self.generate(req, request_id, prompts)
 
     async def complete(self, req: CompletionRequest, request_id: str) -> CompletionResponse:
         prompts, merged = self._generate(req, request_id)

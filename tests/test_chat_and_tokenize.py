@@ -1,0 +1,124 @@
+"""`/v1/chat/completions`, `/tokenize`, `/detokenize`, `/ready`, `/version` on a real
+server, with the official `openai` client. Oracle: Transformers' chat template and greedy
+decoding on the same checkpoint."""
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 12
+MESSAGES = [{"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "What does a list hold?"}]
+
+
+@pytest.fixture(scope="module")
+def client(tiny_server):
+    return openai.OpenAI(base_url=f"{tiny_server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def hf_chat(path, messages, n: int) -> tuple[list[int], str]:
+    tok = AutoTokenizer.from_pretrained(path)
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return ids[0].tolist(), tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def chat_args(**kw) -> dict:
+    return dict(model="tiny", messages=MESSAGES, max_completion_tokens=NEW_TOKENS, temperature=0,
+                extra_body={"min_tokens": NEW_TOKENS}, **kw)
+
+
+def test_chat_applies_the_template_and_matches_transformers(client, tiny_llama):
+    prompt_ids, expected = hf_chat(tiny_llama, MESSAGES, NEW_TOKENS)
+    resp = client.chat.completions.create(**chat_args())
+    assert resp.object == "chat.completion"
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].message.content == expected
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.prompt_tokens == len(prompt_ids)
+    assert resp.usage.completion_tokens == NEW_TOKENS
+
+
+def test_chat_stream_starts_with_the_role_and_adds_up_to_the_same_text(client):
+    whole = client.chat.completions.create(**chat_args()).choices[0].message.content
+    chunks = list(client.chat.completions.create(stream=True, **chat_args()))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_n_and_seed_through_the_async_client(tiny_server):
+    async def run():
+        client = openai.AsyncOpenAI(base_url=f"{tiny_server.base_url}/v1", api_key="unused",
+                                    max_retries=0)
+        args = dict(model="tiny", messages=MESSAGES, n=2, max_completion_tokens=8, seed=3,
+                    temperature=1.0, extra_body={"min_tokens": 8})
+        return await asyncio.gather(client.chat.completions.create(**args),
+                                    client.chat.completions.create(**args))
+    first, again = asyncio.run(run())
+    assert [c.index for c in first.choices] == [0, 1]
+    assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
+    assert first.usage.completion_tokens == 16
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    ({"messages": MESSAGES, "max_completion_tokens": 0}, "max_completion_tokens"),
+])
+def test_bad_chat_requests_are_400_naming_the_field(tiny_server, body, param):
+    resp = httpx.post(f"{tiny_server.base_url}/v1/chat/completions",
+                      json={"model": "tiny", **body}, timeout=30)
+    assert resp.status_code == 400
+    error = resp.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+
+
+def test_chat_with_an_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(**{**chat_args(), "model": "gpt-9"})
+
+
+def test_tokenize_and_detokenize_round_trip(tiny_server, tiny_llama):
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    url = tiny_server.base_url
+    text = "A list is a sequence of"
+    out = httpx.post(f"{url}/tokenize", json={"model": "tiny", "prompt": text}).json()
+    assert out["tokens"] == tok(text).input_ids and out["count"] == len(out["tokens"])
+    assert out["max_model_len"] == 512
+    back = httpx.post(f"{url}/detokenize", json={"model": "tiny", "tokens": out["tokens"]}).json()
+    assert back["prompt"] == tok.decode(out["tokens"])
+    chat = httpx.post(f"{url}/tokenize", json={"messages": MESSAGES}).json()
+    assert chat["tokens"] == hf_chat_ids(tok)
+
+
+def hf_chat_ids(tok) -> list[int]:
+    text = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    return tok(text, add_special_tokens=False).input_ids
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/detokenize", {"tokens": [5, 10**9]}, "tokens"),
+    ("/tokenize", {"prompt": "x", "messages": MESSAGES}, "prompt"),
+    ("/tokenize", {}, "prompt"),
+])
+def test_bad_tokenize_requests_are_400(tiny_server, path, body, param):
+    resp = httpx.post(f"{tiny_server.base_url}{path}", json=body)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == param
+
+
+def test_ready_and_version(tiny_server):
+    assert httpx.get(f"{tiny_server.base_url}/ready").status_code == 200
+    version = httpx.get(f"{tiny_server.base_url}/version").json()
+    assert version["version"] == __import__("neuron_serve").__version__
+    assert version["vllm"].startswith("0.32.0")
