@@ -122,3 +122,23 @@ def test_ready_and_version(tiny_server):
     version = httpx.get(f"{tiny_server.base_url}/version").json()
     assert version["version"] == __import__("neuron_serve").__version__
     assert version["vllm"].startswith("0.32.0")
+
+
+def test_streamed_usage_chunk_counts_every_token(client):
+    chat = list(client.chat.completions.create(
+        stream=True, stream_options={"include_usage": True}, n=2, seed=1,
+        **{**chat_args(), "temperature": 1.0}))
+    assert chat[-1].choices == [] and chat[-1].usage.completion_tokens == 2 * NEW_TOKENS
+    assert chat[-1].usage.total_tokens == chat[-1].usage.prompt_tokens + 2 * NEW_TOKENS
+    assert all(c.usage is None for c in chat[:-1])
+    text = list(client.completions.create(
+        model="tiny", prompt=["A list", "The return statement"], max_tokens=5, temperature=0,
+        stream=True, stream_options={"include_usage": True}, extra_body={"min_tokens": 5}))
+    assert text[-1].choices == [] and text[-1].usage.completion_tokens == 10
+    assert {c.choices[0].index for c in text[:-1]} == {0, 1}
+
+
+def test_a_request_vllm_itself_rejects_is_400_not_500(client):
+    with pytest.raises(openai.BadRequestError) as err:  # n > 1 needs sampling in vLLM
+        client.chat.completions.create(n=2, **chat_args())
+    assert "greedy" in err.value.body["message"]

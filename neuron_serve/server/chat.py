@@ -3,16 +3,15 @@ generation path; responses and stream chunks in OpenAI's chat shapes."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 
 from vllm.outputs import RequestOutput
 
-from neuron_serve.server.errors import ServerError
+from neuron_serve.server.errors import CLIENT_ERRORS, client_error
 from neuron_serve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                           ChatCompletionResponse, ChatDelta, ChatResponseMessage,
                                           ChatStreamChoice, Usage)
-from neuron_serve.server.serving import GenerationService
+from neuron_serve.server.serving import GenerationService, stream_error_event
 
 
 class ChatService(GenerationService):
@@ -27,8 +26,8 @@ class ChatService(GenerationService):
         try:
             async for _, final in outputs:
                 pass
-        except ValueError as exc:
-            raise ServerError(str(exc)) from exc
+        except CLIENT_ERRORS as exc:
+            raise client_error(exc) from exc
         choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
                               finish_reason=c.finish_reason,
                               token_ids=list(c.token_ids) if req.return_token_ids else None)
@@ -37,29 +36,32 @@ class ChatService(GenerationService):
         return ChatCompletionResponse(
             id=request_id, model=req.model, choices=choices,
             prompt_token_ids=prompt if req.return_token_ids else None,
-            usage=Usage(prompt_tokens=len(prompt), completion_tokens=completion_tokens,
-                        total_tokens=len(prompt) + completion_tokens))
+            usage=Usage.of(len(prompt), completion_tokens))
 
     async def stream(self, req: ChatCompletionRequest, request_id: str) -> AsyncIterator[str]:
         """Server-sent events: a role chunk per choice first, then content deltas; raising
         before the first event lets the route answer 4xx."""
-        _, outputs = self._generate(req, request_id)
-        return self._events(req, request_id, outputs)
+        prompt, outputs = self._generate(req, request_id)
+        return self._events(req, request_id, len(prompt), outputs)
 
-    async def _events(self, req, request_id, outputs) -> AsyncIterator[str]:
-        def event(choice: ChatStreamChoice) -> str:
-            chunk = ChatCompletionChunk(id=request_id, model=req.model, choices=[choice])
+    async def _events(self, req, request_id, prompt_tokens, outputs) -> AsyncIterator[str]:
+        def event(choice: ChatStreamChoice | None, usage: Usage | None = None) -> str:
+            chunk = ChatCompletionChunk(id=request_id, model=req.model,
+                                        choices=[choice] if choice else [], usage=usage)
             return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
 
         for index in range(req.n):
             yield event(ChatStreamChoice(index=index, delta=ChatDelta(role="assistant", content="")))
+        completion_tokens = 0
         try:
             async for _, out in outputs:
                 for c in out.outputs:
+                    completion_tokens += len(c.token_ids)
                     yield event(ChatStreamChoice(
                         index=c.index, delta=ChatDelta(content=c.text), finish_reason=c.finish_reason,
                         token_ids=list(c.token_ids) if req.return_token_ids else None))
+            if req.stream_usage:
+                yield event(None, Usage.of(prompt_tokens, completion_tokens))
         except Exception as exc:  # headers are sent; report in-band (DESIGN §6)
-            msg = str(exc) if isinstance(exc, (ValueError, ServerError)) else "internal server error"
-            yield f"data: {json.dumps({'error': {'message': msg, 'type': 'server_error'}})}\n\n"
+            yield stream_error_event(exc)
         yield "data: [DONE]\n\n"

@@ -8,6 +8,7 @@ from http import HTTPStatus
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from vllm.exceptions import VLLMClientError
 
 from neuron_serve.server.protocol import ErrorInfo, ErrorResponse
 
@@ -21,6 +22,15 @@ class ServerError(Exception):
                  param: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message, self.status, self.param, self.headers = message, status, param, headers
+
+
+# What vLLM raises for a bad request (the engine's own validation): the client's fault.
+CLIENT_ERRORS = (ValueError, VLLMClientError)
+
+
+def client_error(exc: Exception) -> ServerError:
+    """A vLLM validation failure as a 400 naming the parameter when vLLM says which."""
+    return ServerError(str(exc), param=getattr(exc, "parameter", None))
 
 
 def error_body(message: str, status: HTTPStatus, param: str | None = None) -> dict:
@@ -48,6 +58,11 @@ def register_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServerError)
     async def _server_error(_: Request, exc: ServerError) -> JSONResponse:
         return _respond(exc.message, exc.status, exc.param, exc.headers)
+
+    @app.exception_handler(VLLMClientError)
+    async def _vllm_client_error(_: Request, exc: VLLMClientError) -> JSONResponse:
+        err = client_error(exc)
+        return _respond(err.message, err.status, err.param)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -15,6 +15,10 @@ class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+
+
 class SamplingRequest(OpenAIModel):
     """The sampling fields completions and chat share, with OpenAI's defaults."""
     model: str
@@ -22,6 +26,7 @@ class SamplingRequest(OpenAIModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=128)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -41,6 +46,10 @@ class SamplingRequest(OpenAIModel):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def stream_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
 class CompletionRequest(SamplingRequest):
@@ -77,6 +86,11 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
 
 
 class CompletionResponse(BaseModel):
@@ -130,6 +144,7 @@ class ChatCompletionChunk(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatStreamChoice]
+    usage: Usage | None = None
 
 
 class TokenizeRequest(OpenAIModel):

@@ -18,7 +18,7 @@ from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind
 from vllm.utils.async_utils import merge_async_iterators
 
-from neuron_serve.server.errors import ServerError
+from neuron_serve.server.errors import CLIENT_ERRORS, ServerError, client_error
 from neuron_serve.server.protocol import (ChatMessage, CompletionChoice, CompletionRequest,
                                           CompletionResponse, SamplingRequest, Usage)
 
@@ -87,8 +87,8 @@ class GenerationService:
                                             self.sampling_params(req, len(ids)),
                                             f"{request_id}-{i}")
                        for i, ids in enumerate(prompts)]
-        except ValueError as exc:
-            raise ServerError(str(exc)) from exc
+        except CLIENT_ERRORS as exc:
+            raise client_error(exc) from exc
         return merge_async_iterators(*streams)
 
 
@@ -112,8 +112,8 @@ class CompletionService(GenerationService):
         try:
             async for i, out in merged:
                 finals[i] = out
-        except ValueError as exc:
-            raise ServerError(str(exc)) from exc
+        except CLIENT_ERRORS as exc:
+            raise client_error(exc) from exc
         choices, completion_tokens = [], 0
         for i in range(len(prompts)):
             prefix = self.tokenizer.decode(prompts[i]) if req.echo else ""
@@ -122,11 +122,9 @@ class CompletionService(GenerationService):
                 choices.append(CompletionChoice(
                     index=i * req.n + c.index, text=prefix + c.text, finish_reason=c.finish_reason,
                     **self._token_ids(req, prompts[i], c.token_ids)))
-        prompt_tokens = sum(map(len, prompts))
         return CompletionResponse(
             id=request_id, model=req.model, choices=sorted(choices, key=lambda c: c.index),
-            usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                        total_tokens=prompt_tokens + completion_tokens))
+            usage=Usage.of(sum(map(len, prompts)), completion_tokens))
 
     @staticmethod
     def _token_ids(req: CompletionRequest, prompt: list[int], output) -> dict:
@@ -141,9 +139,11 @@ class CompletionService(GenerationService):
 
     async def _events(self, req, request_id, prompts, merged) -> AsyncIterator[str]:
         echoed: set[int] = set()
+        completion_tokens = 0
         try:
             async for i, out in merged:
                 for c in out.outputs:
+                    completion_tokens += len(c.token_ids)
                     index = i * req.n + c.index
                     text = c.text
                     if req.echo and index not in echoed:
@@ -153,7 +153,16 @@ class CompletionService(GenerationService):
                                               **self._token_ids(req, prompts[i], c.token_ids))
                     chunk = CompletionResponse(id=request_id, model=req.model, choices=[choice])
                     yield f"data: {chunk.model_dump_json()}\n\n"
+            if req.stream_usage:
+                usage = Usage.of(sum(map(len, prompts)), completion_tokens)
+                chunk = CompletionResponse(id=request_id, model=req.model, choices=[], usage=usage)
+                yield f"data: {chunk.model_dump_json()}\n\n"
         except Exception as exc:  # headers are sent; report in-band (DESIGN §6)
-            msg = str(exc) if isinstance(exc, (ValueError, ServerError)) else "internal server error"
-            yield f"data: {json.dumps({'error': {'message': msg, 'type': 'server_error'}})}\n\n"
+            yield stream_error_event(exc)
         yield "data: [DONE]\n\n"
+
+
+def stream_error_event(exc: Exception) -> str:
+    """An error after the response began: sent in-band, before [DONE] (DESIGN §6)."""
+    msg = str(exc) if isinstance(exc, (*CLIENT_ERRORS, ServerError)) else "internal server error"
+    return f"data: {json.dumps({'error': {'message': msg, 'type': 'server_error'}})}\n\n"
