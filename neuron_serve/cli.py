@@ -77,6 +77,19 @@ def _add_serve_parser(subparsers) -> None:
                     "embedded demo model). Accepts vLLM's engine flags.")
     serve.add_argument("--host", default="0.0.0.0", help="address to bind")
     serve.add_argument("--port", type=int, default=8000, help="port to bind")
+    server = serve.add_argument_group("server", "HTTP front: keys, limits, shutdown")
+    server.add_argument("--api-key", action="append", default=None, dest="api_keys",
+                        help="required as 'Authorization: Bearer KEY' on /v1/* and "
+                             "/tokenize (repeat for several keys; default: no key)")
+    server.add_argument("--allowed-origins", action="append", default=None,
+                        help="CORS origin allowed to call the API (repeatable, '*' for any)")
+    server.add_argument("--max-queued-requests", type=int, default=None,
+                        help="generation requests in flight beyond which new ones get 429 "
+                             "with Retry-After (default: unbounded)")
+    server.add_argument("--max-request-body-bytes", type=int, default=10 << 20,
+                        help="larger request bodies get 413")
+    server.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="seconds SIGTERM waits for in-flight requests before exiting")
 
 
 def _add_compile_parser(subparsers) -> None:
@@ -163,6 +176,7 @@ async def _serve(args: argparse.Namespace) -> None:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from neuron_serve.server.app import build_app
+    from neuron_serve.server.lifecycle import DrainingServer, Lifecycle, ServerLimits
 
     engine_args = _engine_args(args)
     engine = AsyncLLM.from_engine_args(engine_args)
@@ -170,8 +184,17 @@ async def _serve(args: argparse.Namespace) -> None:
         names = engine_args.served_model_name or [engine_args.model]
         names = [names] if isinstance(names, str) else list(names)
         app = build_app(engine, names)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info")
-        await uvicorn.Server(config).serve()
+        if args.allowed_origins:
+            from fastapi.middleware.cors import CORSMiddleware
+            app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins,
+                               allow_methods=["*"], allow_headers=["*"])
+        lifecycle = Lifecycle(app, ServerLimits(
+            api_keys=tuple(args.api_keys or ()), max_queued_requests=args.max_queued_requests,
+            max_request_body_bytes=args.max_request_body_bytes, drain_timeout_s=args.drain_timeout))
+        config = uvicorn.Config(lifecycle, host=args.host, port=args.port, log_level="info",
+                                access_log=False,  # ours: JSON lines with request ids
+                                timeout_graceful_shutdown=args.drain_timeout)
+        await DrainingServer(config, lifecycle).serve()
     finally:
         engine.shutdown()
 
