@@ -142,3 +142,41 @@ def test_a_request_vllm_itself_rejects_is_400_not_500(client):
     with pytest.raises(openai.BadRequestError) as err:  # n > 1 needs sampling in vLLM
         client.chat.completions.create(n=2, **chat_args())
     assert "greedy" in err.value.body["message"]
+
+
+def hf_logprobs(path, prompt_ids: list[int], new_ids: list[int]) -> torch.Tensor:
+    """Log-softmax of Transformers' logits at each generated position."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + new_ids])).logits[0]
+    return torch.log_softmax(logits[len(prompt_ids) - 1:-1], -1)
+
+
+def test_completion_logprobs_match_transformers(client, tiny_llama):
+    resp = client.completions.create(model="tiny", prompt="A list is a sequence of", max_tokens=4,
+                                     temperature=0, logprobs=3,
+                                     extra_body={"min_tokens": 4, "return_token_ids": True})
+    choice = resp.choices[0]
+    expected = hf_logprobs(tiny_llama, choice.prompt_token_ids, choice.token_ids)
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    for step, token in enumerate(choice.token_ids):
+        assert abs(lp.token_logprobs[step] - expected[step, token].item()) < 1e-4
+        assert len(lp.top_logprobs[step]) >= 3
+        assert max(lp.top_logprobs[step].values()) == pytest.approx(lp.token_logprobs[step])
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens) == choice.text
+
+
+def test_chat_logprobs_list_the_top_alternatives(client):
+    resp = client.chat.completions.create(logprobs=True, top_logprobs=2, **chat_args())
+    content = resp.choices[0].logprobs.content
+    assert len(content) == NEW_TOKENS
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+    streamed = list(client.chat.completions.create(stream=True, logprobs=True, top_logprobs=2,
+                                                   **chat_args()))
+    tokens = [e.token for c in streamed if c.choices and c.choices[0].logprobs
+              for e in c.choices[0].logprobs.content]
+    assert tokens == [e.token for e in content]

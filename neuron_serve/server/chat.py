@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator
 from vllm.outputs import RequestOutput
 
 from neuron_serve.server.errors import CLIENT_ERRORS, client_error
-from neuron_serve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
+from neuron_serve.server.logprobs import chat_logprobs
+from neuron_serve.server.protocol import (ChatChoice, ChatLogprobs, ChatCompletionChunk, ChatCompletionRequest,
                                           ChatCompletionResponse, ChatDelta, ChatResponseMessage,
                                           ChatStreamChoice, Usage)
 from neuron_serve.server.serving import GenerationService, stream_error_event
@@ -29,7 +30,7 @@ class ChatService(GenerationService):
         except CLIENT_ERRORS as exc:
             raise client_error(exc) from exc
         choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                              finish_reason=c.finish_reason,
+                              finish_reason=c.finish_reason, logprobs=self._logprobs(req, c),
                               token_ids=list(c.token_ids) if req.return_token_ids else None)
                    for c in final.outputs]
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
@@ -37,6 +38,11 @@ class ChatService(GenerationService):
             id=request_id, model=req.model, choices=choices,
             prompt_token_ids=prompt if req.return_token_ids else None,
             usage=Usage.of(len(prompt), completion_tokens))
+
+    def _logprobs(self, req: ChatCompletionRequest, c) -> ChatLogprobs | None:
+        if not req.logprobs or c.logprobs is None:
+            return None
+        return chat_logprobs(c.token_ids, c.logprobs, self.tokenizer, req.top_logprobs or 0)
 
     async def stream(self, req: ChatCompletionRequest, request_id: str) -> AsyncIterator[str]:
         """Server-sent events: a role chunk per choice first, then content deltas; raising
@@ -59,6 +65,7 @@ class ChatService(GenerationService):
                     completion_tokens += len(c.token_ids)
                     yield event(ChatStreamChoice(
                         index=c.index, delta=ChatDelta(content=c.text), finish_reason=c.finish_reason,
+                        logprobs=self._logprobs(req, c),
                         token_ids=list(c.token_ids) if req.return_token_ids else None))
             if req.stream_usage:
                 yield event(None, Usage.of(prompt_tokens, completion_tokens))

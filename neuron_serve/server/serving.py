@@ -19,8 +19,10 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.utils.async_utils import merge_async_iterators
 
 from neuron_serve.server.errors import CLIENT_ERRORS, ServerError, client_error
-from neuron_serve.server.protocol import (ChatMessage, CompletionChoice, CompletionRequest,
-                                          CompletionResponse, SamplingRequest, Usage)
+from neuron_serve.server.logprobs import completion_logprobs
+from neuron_serve.server.protocol import (ChatMessage, CompletionChoice, CompletionLogprobs,
+                                          CompletionRequest, CompletionResponse,
+                                          SamplingRequest, Usage)
 
 
 class GenerationService:
@@ -75,7 +77,7 @@ class GenerationService:
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, max_tokens=max_tokens,
             min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, logit_bias=bias or None,
-            skip_special_tokens=req.skip_special_tokens,
+            skip_special_tokens=req.skip_special_tokens, logprobs=req.num_logprobs,
             output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
         )
 
@@ -121,10 +123,16 @@ class CompletionService(GenerationService):
                 completion_tokens += len(c.token_ids)
                 choices.append(CompletionChoice(
                     index=i * req.n + c.index, text=prefix + c.text, finish_reason=c.finish_reason,
+                    logprobs=self._logprobs(req, c, len(prefix)),
                     **self._token_ids(req, prompts[i], c.token_ids)))
         return CompletionResponse(
             id=request_id, model=req.model, choices=sorted(choices, key=lambda c: c.index),
             usage=Usage.of(sum(map(len, prompts)), completion_tokens))
+
+    def _logprobs(self, req: CompletionRequest, c, offset: int) -> CompletionLogprobs | None:
+        if req.logprobs is None or c.logprobs is None:
+            return None
+        return completion_logprobs(c.token_ids, c.logprobs, self.tokenizer, offset)
 
     @staticmethod
     def _token_ids(req: CompletionRequest, prompt: list[int], output) -> dict:
@@ -139,6 +147,7 @@ class CompletionService(GenerationService):
 
     async def _events(self, req, request_id, prompts, merged) -> AsyncIterator[str]:
         echoed: set[int] = set()
+        offsets: dict[int, int] = {}  # text emitted so far per choice: logprobs' text_offset
         completion_tokens = 0
         try:
             async for i, out in merged:
@@ -149,7 +158,10 @@ class CompletionService(GenerationService):
                     if req.echo and index not in echoed:
                         echoed.add(index)
                         text = self.tokenizer.decode(prompts[i]) + text
+                    offset = offsets.get(index, 0) + len(text) - len(c.text)
+                    offsets[index] = offset + len(c.text)
                     choice = CompletionChoice(index=index, text=text, finish_reason=c.finish_reason,
+                                              logprobs=self._logprobs(req, c, offset),
                                               **self._token_ids(req, prompts[i], c.token_ids))
                     chunk = CompletionResponse(id=request_id, model=req.model, choices=[choice])
                     yield f"data: {chunk.model_dump_json()}\n\n"
