@@ -87,19 +87,17 @@ def test_sigterm_drains_in_flight_streams_then_exits_zero(tiny_llama, tmp_path_f
     started = threading.Semaphore(0)
 
     def stream(_):
-        chunks = []
-        for chunk in client.completions.create(
-                model="tiny", prompt="A list is", max_tokens=NEW_TOKENS, temperature=0,
-                stream=True, stream_options={"include_usage": True},
-                extra_body={"min_tokens": NEW_TOKENS}):
-            if not chunks:
-                started.release()
-            chunks.append(chunk)
-        return chunks[-1].usage.completion_tokens
+        response = client.completions.create(
+            model="tiny", prompt="A list is", max_tokens=NEW_TOKENS, temperature=0,
+            stream=True, stream_options={"include_usage": True},
+            extra_body={"min_tokens": NEW_TOKENS})
+        started.release()  # headers received: admitted and in flight
+        return list(response)[-1].usage.completion_tokens
     try:
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             futures = [pool.submit(stream, i) for i in range(8)]
-            assert started.acquire(timeout=60)  # generating; the others admitted or queued
+            for _ in range(8):
+                assert started.acquire(timeout=120)
             server.proc.send_signal(signal.SIGTERM)
             time.sleep(0.2)
             during = httpx.post(f"{server.base_url}/v1/completions",
