@@ -81,8 +81,18 @@ def test_overload_gets_429_with_retry_after_and_the_rest_succeed(guarded):
     assert httpx.get(f"{guarded.base_url}/health").status_code == 200
 
 
+def wait_for_status(url: str, status: int, timeout: float = 10.0) -> httpx.Response:
+    deadline = time.monotonic() + timeout
+    while (resp := httpx.get(url)).status_code != status and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return resp
+
+
 def test_sigterm_drains_in_flight_streams_then_exits_zero(tiny_llama, tmp_path_factory):
-    server = serve(tiny_llama, tmp_path_factory, "draining", "--drain-timeout", "120")
+    # One sequence at a time: the eight streams take eight generations' time, so the drain
+    # outlasts the checks below on any machine.
+    server = serve(tiny_llama, tmp_path_factory, "draining", "--drain-timeout", "120",
+                   "--max-num-seqs", "1")
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
     started = threading.Semaphore(0)
 
@@ -99,10 +109,9 @@ def test_sigterm_drains_in_flight_streams_then_exits_zero(tiny_llama, tmp_path_f
             for _ in range(8):
                 assert started.acquire(timeout=120)
             server.proc.send_signal(signal.SIGTERM)
-            time.sleep(0.2)
+            ready = wait_for_status(f"{server.base_url}/ready", 503)
             during = httpx.post(f"{server.base_url}/v1/completions",
                                 json={"model": "tiny", "prompt": "x", "max_tokens": 1})
-            ready = httpx.get(f"{server.base_url}/ready")
             assert [f.result(timeout=180) for f in futures] == [NEW_TOKENS] * 8
         assert during.status_code == 503 and during.headers["retry-after"] == "1"
         assert ready.status_code == 503
