@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import os
 import sys
+from collections.abc import Callable
 
 from neuron_serve.config import ADDITIONAL_CONFIG_KEY, COMPILE_MODES
 from neuron_serve.models import DEMO_MODEL_DIR
@@ -69,6 +70,18 @@ def _merge_neuron_flags(args: argparse.Namespace) -> None:
     args.additional_config = {**(args.additional_config or {}), ADDITIONAL_CONFIG_KEY: section}
 
 
+def _positive(kind: type) -> Callable[[str], int | float]:
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+        return value
+    return parse
+
+
 def _add_serve_parser(subparsers) -> None:
     serve = _add_engine_parser(
         subparsers, "serve",
@@ -83,13 +96,19 @@ def _add_serve_parser(subparsers) -> None:
                              "/tokenize (repeat for several keys; default: no key)")
     server.add_argument("--allowed-origins", action="append", default=None,
                         help="CORS origin allowed to call the API (repeatable, '*' for any)")
-    server.add_argument("--max-queued-requests", type=int, default=None,
+    server.add_argument("--max-queued-requests", type=_positive(int), default=None,
                         help="generation requests in flight beyond which new ones get 429 "
                              "with Retry-After (default: unbounded)")
-    server.add_argument("--max-request-body-bytes", type=int, default=10 << 20,
+    server.add_argument("--max-request-body-bytes", type=_positive(int), default=10 << 20,
                         help="larger request bodies get 413")
-    server.add_argument("--drain-timeout", type=float, default=30.0,
+    server.add_argument("--drain-timeout", type=_positive(float), default=30.0,
                         help="seconds SIGTERM waits for in-flight requests before exiting")
+    server.add_argument("--request-timeout", type=_positive(float), default=None,
+                        help="seconds a generation request may take; past it the request is "
+                             "aborted and answered 504 (default: no limit)")
+    server.add_argument("--profile-dir", default=None,
+                        help="where POST /admin/profile/stop writes traces and Parquet tables "
+                             "(default: $NEURON_SERVE_PROFILE_DIR or ~/.cache/neuron-serve/profiles)")
 
 
 def _add_compile_parser(subparsers) -> None:
@@ -183,7 +202,8 @@ async def _serve(args: argparse.Namespace) -> None:
     try:
         names = engine_args.served_model_name or [engine_args.model]
         names = [names] if isinstance(names, str) else list(names)
-        app = build_app(engine, names)
+        app = build_app(engine, names, request_timeout_s=args.request_timeout,
+                        profile_dir=args.profile_dir)
         if args.allowed_origins:
             from fastapi.middleware.cors import CORSMiddleware
             app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins,
@@ -221,11 +241,21 @@ def _check_model(args: argparse.Namespace) -> None:
                  "directory (models are never downloaded; pass a path to config.json's folder)")
 
 
+def _with_default_model(argv: list[str]) -> list[str]:
+    """`serve --flags` means the demo model; vLLM's parser rejects `serve` followed by a
+    flag when --served-model-name is among them, so name the model explicitly."""
+    if (len(argv) > 1 and argv[0] == "serve" and argv[1].startswith("-")
+            and not any(a == "--model" or a.startswith("--model=") for a in argv)
+            and not any(a in ("-h", "--help") for a in argv)):
+        return [argv[0], str(DEMO_MODEL_DIR), *argv[1:]]
+    return argv
+
+
 def main(argv: list[str] | None = None) -> None:
     from neuron_serve import activation
 
     activation.activate()  # our server always runs on our platform
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_with_default_model(sys.argv[1:] if argv is None else argv))
     if args.command in ("serve", "compile"):
         _check_model(args)
         if args.command == "serve":

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     NEURON_SERVE_CACHE_DIR: str
     NEURON_SERVE_CACHE_MAX_GB: float | None
     NEURON_SERVE_COMPILE_MODE: str
+    NEURON_SERVE_PROFILE_DIR: str
 
 
 def _choice(name: str, default: str, choices: tuple[str, ...]) -> Callable[[], str]:
@@ -47,12 +48,15 @@ def _positive_float(name: str) -> Callable[[], float | None]:
     return parse
 
 
-def _cache_dir() -> str:
-    explicit = os.environ.get("NEURON_SERVE_CACHE_DIR", "").strip()
-    if explicit:
-        return explicit
-    home = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(home, "neuron-serve", "graphs")
+def _under_cache_home(name: str, leaf: str) -> Callable[[], str]:
+    """`name` if set, else $XDG_CACHE_HOME (or ~/.cache)/neuron-serve/`leaf`."""
+    def parse() -> str:
+        explicit = os.environ.get(name, "").strip()
+        if explicit:
+            return explicit
+        home = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
+        return os.path.join(home, "neuron-serve", leaf)
+    return parse
 
 
 _PARSERS: dict[str, Callable[[], Any]] = {
@@ -66,12 +70,15 @@ _PARSERS: dict[str, Callable[[], Any]] = {
     "NEURON_SERVE_EMULATED_MEMORY_GB": _positive_float("NEURON_SERVE_EMULATED_MEMORY_GB"),
     # Compiled-graph cache directory ("off" disables it); default under $XDG_CACHE_HOME.
     # The `neuron.cache_dir` key of --additional-config wins over it.
-    "NEURON_SERVE_CACHE_DIR": _cache_dir,
+    "NEURON_SERVE_CACHE_DIR": _under_cache_home("NEURON_SERVE_CACHE_DIR", "graphs"),
     # Size cap of the compiled-graph cache in GB (least recently used entries go first).
     "NEURON_SERVE_CACHE_MAX_GB": _positive_float("NEURON_SERVE_CACHE_MAX_GB"),
     # ahead | background | eager (see neuron_serve.config); `neuron.compile_mode` wins.
     "NEURON_SERVE_COMPILE_MODE": _choice("NEURON_SERVE_COMPILE_MODE", "ahead",
                                          ("ahead", "background", "eager")),
+    # Where POST /admin/profile/stop writes traces and per-operator Parquet files;
+    # `neuron-serve serve --profile-dir` wins.
+    "NEURON_SERVE_PROFILE_DIR": _under_cache_home("NEURON_SERVE_PROFILE_DIR", "profiles"),
 }
 _cache: dict[str, Any] = {}
 

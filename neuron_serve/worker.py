@@ -17,6 +17,7 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 from neuron_serve import device
 from neuron_serve.logs import init_logger
 from neuron_serve.model_runner.runner import NeuronModelRunner
+from neuron_serve.profiler import StepProfiler
 
 logger = init_logger(__name__)
 
@@ -26,6 +27,7 @@ class NeuronWorker(WorkerBase):
                  distributed_init_method: str, is_driver_worker: bool = False):
         super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
         self.model_runner: NeuronModelRunner | None = None
+        self.profiler = StepProfiler(rank)
 
     def init_device(self) -> None:
         dev = device.current()
@@ -112,6 +114,14 @@ class NeuronWorker(WorkerBase):
                      compile_mode=runner.config.compile_mode,
                      compiles_after_warmup=runner.compiles_after_warmup)
         return stats
+
+    def start_step_profile(self, directory: str) -> None:
+        """RPC from POST /admin/profile/start."""
+        self.profiler.start(directory)
+
+    def stop_step_profile(self) -> dict[str, str]:
+        """RPC from POST /admin/profile/stop: the trace and Parquet paths."""
+        return self.profiler.stop()
 
     def shutdown(self) -> None:
         if self.model_runner is not None and self.model_runner.background is not None:

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +28,25 @@ TEST_BUCKETS = '{"neuron": {"token_buckets": [64], "request_buckets": [1, 4], "b
 TEST_ENGINE_FLAGS = ["--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
                      "--dtype", "float32", "--kv-cache-memory-bytes", str(64 << 20),
                      "--additional-config", TEST_BUCKETS]
+
+
+FUZZ_CASES: Counter[str] = Counter()  # schemathesis cases generated (test_openapi_fuzz)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    for what, n in FUZZ_CASES.items():
+        terminalreporter.write_line(f"schemathesis: {n} generated cases over {what}")
+
+
+def metric(base_url: str, name: str, **labels: str) -> float:
+    """The sum of one Prometheus series on the server's /metrics over matching labels."""
+    total = 0.0
+    for line in httpx.get(f"{base_url}/metrics").text.splitlines():
+        series, _, value = line.rpartition(" ")
+        if (series == name or series.startswith(name + "{")) and \
+                all(f'{k}="{v}"' in series for k, v in labels.items()):
+            total += float(value)
+    return total
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,6 +1,8 @@
 """The server's front door on a real port: API keys, request ids and access logs, body
-size, admission (429), and draining on SIGTERM (503, in-flight streams finish, exit 0)."""
+size, admission (429), request timeouts (504), client disconnects, memory under overload,
+profiling, and draining on SIGTERM (503, in-flight streams finish, exit 0)."""
 
+import asyncio
 import concurrent.futures
 import json
 import signal
@@ -9,8 +11,10 @@ import time
 
 import httpx
 import openai
+import psutil
+import pyarrow.parquet as pq
 import pytest
-from conftest import TEST_ENGINE_FLAGS, VENV_BIN, free_port, start_server
+from conftest import TEST_ENGINE_FLAGS, VENV_BIN, free_port, metric, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -25,10 +29,16 @@ def serve(tiny_llama, tmp_path_factory, name: str, *flags: str):
     return start_server(cmd, port, tmp_path_factory.mktemp("logs") / f"{name}.log")
 
 
+REQUEST_TIMEOUT_S = 2
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
 @pytest.fixture(scope="module")
 def guarded(tiny_llama, tmp_path_factory):
     server = serve(tiny_llama, tmp_path_factory, "guarded", "--api-key", KEY,
-                   "--max-queued-requests", "4", "--max-request-body-bytes", "100000")
+                   "--max-queued-requests", "4", "--max-request-body-bytes", "100000",
+                   "--request-timeout", str(REQUEST_TIMEOUT_S),
+                   "--profile-dir", str(tmp_path_factory.mktemp("profiles")))
     yield server
     server.stop()
 
@@ -64,21 +74,153 @@ def test_oversized_body_is_413(guarded):
     assert "100000" in resp.json()["error"]["message"]
 
 
+def server_rss_bytes(server) -> int:
+    """Resident memory of the server and its engine process."""
+    proc = psutil.Process(server.proc.pid)
+    return sum(p.memory_info().rss for p in (proc, *proc.children(recursive=True)))
+
+
 def test_overload_gets_429_with_retry_after_and_the_rest_succeed(guarded):
-    def one(_):
-        return httpx.post(f"{guarded.base_url}/v1/completions", timeout=120,
-                          headers={"Authorization": f"Bearer {KEY}"},
-                          json={"model": "tiny", "prompt": "A list", "max_tokens": 24,
-                                "min_tokens": 24, "temperature": 0})
-    with concurrent.futures.ThreadPoolExecutor(32) as pool:
-        responses = list(pool.map(one, range(32)))
-    codes = [r.status_code for r in responses]
-    assert set(codes) <= {200, 429} and codes.count(429) > 0 and codes.count(200) >= 4
-    rejected = next(r for r in responses if r.status_code == 429)
-    assert rejected.headers["retry-after"] == "1"
-    assert "--max-queued-requests" in rejected.json()["error"]["message"]
-    assert all(r.json()["usage"]["completion_tokens"] == 24 for r in responses if r.status_code == 200)
+    """Limit 4, 32 concurrent requests, five rounds: 429s with Retry-After, the rest served
+    in full, the server healthy, and memory flat from the second round to the last."""
+    barrier = threading.Barrier(32)
+
+    def one(client):
+        barrier.wait()  # all 32 at once
+        return client.post("/v1/completions", headers=AUTH,
+                           json={"model": "tiny", "prompt": "A list", "max_tokens": 48,
+                                 "min_tokens": 48, "temperature": 0})
+
+    rss = []
+    with httpx.Client(base_url=guarded.base_url, timeout=120,
+                      limits=httpx.Limits(max_connections=64)) as client, \
+            concurrent.futures.ThreadPoolExecutor(32) as pool:
+        for _ in range(5):
+            responses = list(pool.map(one, [client] * 32))
+            codes = [r.status_code for r in responses]
+            assert set(codes) <= {200, 429} and codes.count(429) > 0 and codes.count(200) >= 4
+            rejected = next(r for r in responses if r.status_code == 429)
+            assert rejected.headers["retry-after"] == "1"
+            assert "--max-queued-requests" in rejected.json()["error"]["message"]
+            assert all(r.json()["usage"]["completion_tokens"] == 48
+                       for r in responses if r.status_code == 200)
+            rss.append(server_rss_bytes(guarded))
     assert httpx.get(f"{guarded.base_url}/health").status_code == 200
+    growth = rss[-1] - rss[1]
+    print(f"server RSS per round (MiB): {[r >> 20 for r in rss]}")
+    assert growth < 64 << 20, f"memory grew {growth >> 20} MiB over four overload rounds"
+
+
+def generated_tokens_after_idle(base_url: str) -> float:
+    """vllm:generation_tokens_total once nothing runs or waits (a request cut short stops
+    adding tokens; one still generating would add all of them before going idle)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if metric(base_url, "vllm:num_requests_running") == 0 and \
+                metric(base_url, "vllm:num_requests_waiting") == 0:
+            return metric(base_url, "vllm:generation_tokens_total")
+        time.sleep(0.05)
+    raise TimeoutError("the engine never went idle")
+
+
+def test_request_timeout_is_504_and_stops_the_generation(guarded):
+    """128 choices × 480 tokens is over 15,000 decode steps at 4 sequences a step: far more
+    than 2 s on any machine; on timeout the answer is 504 and the engine stops."""
+    body = {"model": "tiny", "prompt": "A list", "max_tokens": 480, "min_tokens": 480, "n": 128}
+    before = generated_tokens_after_idle(guarded.base_url)
+    resp = httpx.post(f"{guarded.base_url}/v1/completions", json=body, headers=AUTH, timeout=120)
+    assert resp.status_code == 504
+    assert resp.json()["error"] == {"message": f"the request did not finish within "
+                                    f"{REQUEST_TIMEOUT_S} s (--request-timeout)",
+                                    "type": "server_error", "param": None, "code": 504}
+    assert generated_tokens_after_idle(guarded.base_url) - before < 128 * 480
+
+    with httpx.stream("POST", f"{guarded.base_url}/v1/completions", json={**body, "stream": True},
+                      headers=AUTH, timeout=120) as stream:
+        assert stream.status_code == 200
+        events = [line for line in stream.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert "--request-timeout" in json.loads(events[-2][6:])["error"]["message"]
+
+
+def test_client_disconnect_aborts_the_request_in_the_engine(tiny_server):
+    """Streamed and not: the client leaves early, the engine stops generating for it."""
+    url = tiny_server.base_url
+    body = {"model": "tiny", "prompt": "A list", "max_tokens": 480, "min_tokens": 480}
+    before = generated_tokens_after_idle(url)
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as stream:
+        next(line for line in stream.iter_lines() if line.startswith("data: "))
+    after_stream = generated_tokens_after_idle(url)
+    assert 0 < after_stream - before < 480
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json=body, timeout=0.3)
+    assert generated_tokens_after_idle(url) - after_stream < 480
+
+
+def test_64_concurrent_streaming_clients_all_complete(tiny_server):
+    client = openai.AsyncOpenAI(base_url=f"{tiny_server.base_url}/v1", api_key="unused",
+                                max_retries=0, timeout=300)
+
+    async def one(i: int) -> tuple[int, int, int]:
+        want = 8 + i % 24
+        stream = await client.completions.create(
+            model="tiny", prompt=f"Item {i} of the list", max_tokens=want, temperature=0.8,
+            seed=i, stream=True, stream_options={"include_usage": True},
+            extra_body={"min_tokens": want, "return_token_ids": True})
+        streamed, usage = 0, None
+        async for chunk in stream:
+            streamed += sum(len(c.token_ids) for c in chunk.choices)
+            usage = chunk.usage or usage
+        return want, streamed, usage.completion_tokens
+
+    async def all_of_them():
+        try:
+            return await asyncio.gather(*(one(i) for i in range(64)))
+        finally:
+            await client.close()
+
+    results = asyncio.run(all_of_them())
+    assert all(want == streamed == usage for want, streamed, usage in results), results
+
+
+def test_metrics_carry_vllms_names_and_ours(tiny_server):
+    client = openai.OpenAI(base_url=f"{tiny_server.base_url}/v1", api_key="unused", max_retries=0)
+    client.completions.create(model="tiny", prompt="A list", max_tokens=12,
+                              extra_body={"min_tokens": 12})
+    text = httpx.get(f"{tiny_server.base_url}/metrics").text
+    for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        assert f"\n{gauge}{{" in text, gauge
+    for histogram in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+                      "vllm:e2e_request_latency_seconds"):
+        assert metric(tiny_server.base_url, f"{histogram}_count") > 0, histogram
+    assert metric(tiny_server.base_url, "vllm:prompt_tokens_total") > 0
+    assert metric(tiny_server.base_url, "vllm:generation_tokens_total") >= 12
+    assert metric(tiny_server.base_url, "vllm:request_success_total", finished_reason="length") >= 1
+    assert metric(tiny_server.base_url, "neuron_serve:real_tokens_total") > 0
+
+
+def test_profiling_writes_a_trace_and_a_parquet_table(guarded):
+    url = guarded.base_url
+    assert httpx.post(f"{url}/admin/profile/start").status_code == 401
+    stop_first = httpx.post(f"{url}/admin/profile/stop", headers=AUTH)
+    assert stop_first.status_code == 409 and "start" in stop_first.json()["error"]["message"]
+    assert httpx.post(f"{url}/admin/profile/start", headers=AUTH).status_code == 200
+    assert httpx.post(f"{url}/admin/profile/start", headers=AUTH).status_code == 409
+    done = httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=60,
+                      json={"model": "tiny", "prompt": "A list", "max_tokens": 8})
+    assert done.status_code == 200
+    stopped = httpx.post(f"{url}/admin/profile/stop", headers=AUTH, timeout=120)
+    assert stopped.status_code == 200
+    [files] = stopped.json()["files"]
+    trace = json.loads(open(files["trace"]).read())
+    assert any(e.get("name", "").startswith("aten::") for e in trace["traceEvents"])
+    table = pq.read_table(files["operators"]).to_pylist()
+    assert set(table[0]) == {"name", "calls", "self_cpu_us", "total_cpu_us", "input_shapes"}
+    matmuls = [row for row in table if row["name"] in ("aten::mm", "aten::addmm", "aten::matmul",
+                                                       "aten::linear", "aten::bmm")]
+    assert matmuls and all(r["calls"] > 0 and r["total_cpu_us"] >= r["self_cpu_us"] >= 0
+                           for r in matmuls)
+    assert any(r["input_shapes"] not in ("", "[]") for r in matmuls)
 
 
 def wait_for_status(url: str, status: int, timeout: float = 10.0) -> httpx.Response:

@@ -8,6 +8,7 @@ from http import HTTPStatus
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 from vllm.exceptions import VLLMClientError
 
 from neuron_serve.server.protocol import ErrorInfo, ErrorResponse
@@ -54,6 +55,10 @@ def register_error_handlers(app: FastAPI) -> None:
         param = ".".join(loc) or None
         return _respond(f"{param or 'request'}: {first.get('msg', 'invalid request')}",
                         HTTPStatus.BAD_REQUEST, param)
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, exc: HTTPException) -> JSONResponse:  # bad JSON, 404, 405
+        return _respond(str(exc.detail), HTTPStatus(exc.status_code), headers=exc.headers)
 
     @app.exception_handler(ServerError)
     async def _server_error(_: Request, exc: ServerError) -> JSONResponse:

@@ -1,7 +1,9 @@
-"""`/metrics`: neuron-serve's own series under the `neuron_serve:` prefix.
+"""`/metrics`: vLLM's own series (`vllm:` prefix, recorded by the engine's Prometheus stat
+logger: running/waiting requests, KV-cache usage, TTFT, inter-token and end-to-end latency,
+token counters) followed by neuron-serve's (`neuron_serve:` prefix).
 
-The numbers live in the engine's worker (compiled graphs, padding, eager fallbacks); they
-are fetched over vLLM's collective RPC at scrape time and summed over ranks.
+Ours live in the engine's worker (compiled graphs, padding, eager fallbacks); they are
+fetched over vLLM's collective RPC at scrape time and summed over ranks.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from collections import Counter
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from vllm.v1.metrics.prometheus import get_prometheus_registry
 
 _COUNTERS = {
     "cache_hits": ("graph_cache_hits", "Bucket graphs loaded from the compiled-graph cache"),
@@ -47,6 +50,6 @@ class _Snapshot:
 
 
 async def render(engine) -> bytes:
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Snapshot(await engine.collective_rpc("graph_stats")))
-    return generate_latest(registry)
+    ours = CollectorRegistry(auto_describe=False)
+    ours.register(_Snapshot(await engine.collective_rpc("graph_stats")))
+    return generate_latest(get_prometheus_registry()) + generate_latest(ours)

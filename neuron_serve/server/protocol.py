@@ -11,8 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class OpenAIModel(BaseModel):
-    # Unknown fields are accepted (OpenAI clients send new ones first), not rejected.
-    model_config = ConfigDict(extra="allow")
+    # Unknown fields are accepted (OpenAI clients send new ones first), not rejected; known
+    # ones are strict ("5" is not a token id), as the published schema says.
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(OpenAIModel):
@@ -230,3 +231,16 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+class ProfileStarted(BaseModel):
+    directory: str
+
+
+class ProfileFiles(BaseModel):
+    trace: str
+    operators: str
+
+
+class ProfileStopped(BaseModel):
+    files: list[ProfileFiles]  # one pair per engine rank

@@ -7,6 +7,7 @@ sampling parameters, submitting to the engine); `CompletionService` renders comp
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from http import HTTPStatus
@@ -26,9 +27,11 @@ from neuron_serve.server.protocol import (ChatMessage, CompletionChoice, Complet
 
 
 class GenerationService:
-    def __init__(self, engine: EngineClient, served_names: list[str]):
+    def __init__(self, engine: EngineClient, served_names: list[str],
+                 request_timeout_s: float | None = None):
         self.engine = engine
         self.served_names = served_names
+        self.request_timeout_s = request_timeout_s
         self.max_model_len = engine.model_config.max_model_len
         self.tokenizer = engine.get_tokenizer()
 
@@ -91,7 +94,27 @@ class GenerationService:
                        for i, ids in enumerate(prompts)]
         except CLIENT_ERRORS as exc:
             raise client_error(exc) from exc
-        return merge_async_iterators(*streams)
+        merged = merge_async_iterators(*streams)
+        return merged if self.request_timeout_s is None else _within(merged, self.request_timeout_s)
+
+
+async def _within(outputs: AsyncIterator, seconds: float) -> AsyncIterator:
+    """`outputs` until `seconds` have passed, then a 504; closing `outputs` aborts the
+    request in the engine, so a timed-out generation stops using the device."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    try:
+        while True:
+            try:
+                item = await asyncio.wait_for(anext(outputs), deadline - loop.time())
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise ServerError(f"the request did not finish within {seconds:g} s "
+                                  "(--request-timeout)", HTTPStatus.GATEWAY_TIMEOUT) from None
+            yield item
+    finally:
+        await outputs.aclose()
 
 
 def _text_content(content: str | list[dict] | None) -> str:
