@@ -71,7 +71,9 @@ def test_oversized_body_is_413(guarded):
     resp = httpx.post(f"{guarded.base_url}/v1/completions", content=b"x" * 200_000,
                       headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     assert resp.status_code == 413
-    assert "100000" in resp.json()["error"]["message"]
+    error = resp.json()["error"]
+    assert error["code"] == 413 and error["type"] == "invalid_request_error"
+    assert "100000" in error["message"] and "--max-request-body-bytes" in error["message"]
 
 
 def server_rss_bytes(server) -> int:
@@ -256,6 +258,9 @@ def test_sigterm_drains_in_flight_streams_then_exits_zero(tiny_llama, tmp_path_f
                                 json={"model": "tiny", "prompt": "x", "max_tokens": 1})
             assert [f.result(timeout=180) for f in futures] == [NEW_TOKENS] * 8
         assert during.status_code == 503 and during.headers["retry-after"] == "1"
+        assert during.json()["error"] == {"message": "the server is shutting down; retry on "
+                                          "another replica", "type": "server_error",
+                                          "param": None, "code": 503}
         assert ready.status_code == 503
         assert server.proc.wait(timeout=60) == 0
     finally:

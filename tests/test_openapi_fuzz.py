@@ -23,7 +23,7 @@ def test_openapi_conformance_under_generated_requests(tiny_server, tmp_path):
            "PYTHONPATH": str(REPO / "tests"), "NO_COLOR": "1"}
     out = subprocess.run(
         [str(VENV_BIN / "st"), "run", f"{tiny_server.base_url}/openapi.json",
-         "--checks", ",".join(CHECKS), "--max-examples", "40", "--seed", "0",
+         "--checks", ",".join(CHECKS), "--max-examples", "100", "--seed", "0",
          "--request-timeout", "120", "--no-color"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     summary = re.search(r"(\d+) generated", out.stdout)

@@ -54,6 +54,19 @@ def test_stream_concatenates_to_the_same_text(client):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_stop_string_cuts_the_text_where_transformers_text_has_it(client, tiny_llama):
+    """The stop string is a piece of the greedy continuation itself (tokens 6-7), so the
+    answer is that continuation up to its first occurrence, finish_reason "stop"."""
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    _, expected = hf_greedy(tiny_llama, PROMPTS[1], NEW_TOKENS)
+    full, stop = tok.decode(expected), tok.decode(expected[5:7]).strip()
+    assert stop and stop in full
+    resp = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=NEW_TOKENS,
+                                     temperature=0, stop=[stop], extra_body={"min_tokens": 4})
+    assert resp.choices[0].text == full[:full.index(stop)]
+    assert resp.choices[0].finish_reason == "stop"
+
+
 def test_batch_of_prompts_n_and_seed(client):
     args = dict(model="tiny", prompt=PROMPTS, n=2, max_tokens=6, seed=7, temperature=1.0,
                 extra_body={"min_tokens": 6, "return_token_ids": True})
@@ -107,6 +120,24 @@ def test_vllm_serve_device_neuron_matches_transformers(vllm_server, tiny_llama):
         assert resp.choices[0].token_ids == expected
     assert "NeuronPlatform" in vllm_server.log_path.read_text() or "neuron platform" in \
         vllm_server.log_path.read_text()
+
+
+def test_chat_and_completions_text_identical_to_vllm_serve(vllm_server, tiny_server):
+    """Same checkpoint, same greedy request, through vLLM's own server and ours."""
+    ours, theirs = (openai.OpenAI(base_url=f"{s.base_url}/v1", api_key="unused", max_retries=0)
+                    for s in (tiny_server, vllm_server))
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "Name three colours."}]
+    chat = [c.chat.completions.create(model="tiny", messages=messages, max_tokens=NEW_TOKENS,
+                                      temperature=0, extra_body={"min_tokens": NEW_TOKENS})
+            for c in (ours, theirs)]
+    assert chat[0].choices[0].message.content == chat[1].choices[0].message.content
+    assert chat[0].usage.prompt_tokens == chat[1].usage.prompt_tokens
+    for prompt in PROMPTS:
+        text = [c.completions.create(model="tiny", prompt=prompt, max_tokens=NEW_TOKENS,
+                                     temperature=0, stop=["\n\n"]).choices[0].text
+                for c in (ours, theirs)]
+        assert text[0] == text[1]
 
 
 def test_vllm_serve_rejects_an_overlong_prompt_and_keeps_serving(vllm_server):
