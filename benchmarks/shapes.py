@@ -29,4 +29,17 @@ def checkpoint(name: str) -> Path:
     path = ROOT / name
     if not (path / "config.json").exists():
         write_checkpoint(family, path, seed=0, **shape)
+    cover_vocabulary(path, shape["vocab_size"])
     return path
+
+
+def cover_vocabulary(path: Path, vocab_size: int) -> None:
+    """Give the tokenizer one (added) token per id the model can emit, so that a server
+    detokenizes any generated id: the small trained vocabulary is padded with `<wN>`."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    missing = vocab_size - len(tok)
+    if missing > 0:
+        tok.add_tokens([f"<w{i}>" for i in range(missing)])
+        tok.save_pretrained(path)

@@ -29,7 +29,7 @@ def serve(tiny_llama, tmp_path_factory, name: str, *flags: str):
     return start_server(cmd, port, tmp_path_factory.mktemp("logs") / f"{name}.log")
 
 
-REQUEST_TIMEOUT_S = 2
+REQUEST_TIMEOUT_S = 1
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -37,7 +37,6 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 def guarded(tiny_llama, tmp_path_factory):
     server = serve(tiny_llama, tmp_path_factory, "guarded", "--api-key", KEY,
                    "--max-queued-requests", "4", "--max-request-body-bytes", "100000",
-                   "--request-timeout", str(REQUEST_TIMEOUT_S),
                    "--profile-dir", str(tmp_path_factory.mktemp("profiles")))
     yield server
     server.stop()
@@ -93,7 +92,7 @@ def test_overload_gets_429_with_retry_after_and_the_rest_succeed(guarded):
                            json={"model": "tiny", "prompt": "A list", "max_tokens": 48,
                                  "min_tokens": 48, "temperature": 0})
 
-    rss = []
+    rss, served = [], []
     with httpx.Client(base_url=guarded.base_url, timeout=120,
                       limits=httpx.Limits(max_connections=64)) as client, \
             concurrent.futures.ThreadPoolExecutor(32) as pool:
@@ -107,9 +106,11 @@ def test_overload_gets_429_with_retry_after_and_the_rest_succeed(guarded):
             assert all(r.json()["usage"]["completion_tokens"] == 48
                        for r in responses if r.status_code == 200)
             rss.append(server_rss_bytes(guarded))
+            served.append(codes.count(200))
     assert httpx.get(f"{guarded.base_url}/health").status_code == 200
     growth = rss[-1] - rss[1]
-    print(f"server RSS per round (MiB): {[r >> 20 for r in rss]}")
+    print(f"\noverload: served per round of 32 {served} (the rest 429); "
+          f"server RSS per round (MiB) {[r >> 20 for r in rss]}")
     assert growth < 64 << 20, f"memory grew {growth >> 20} MiB over four overload rounds"
 
 
@@ -125,20 +126,29 @@ def generated_tokens_after_idle(base_url: str) -> float:
     raise TimeoutError("the engine never went idle")
 
 
-def test_request_timeout_is_504_and_stops_the_generation(guarded):
-    """128 choices × 480 tokens is over 15,000 decode steps at 4 sequences a step: far more
-    than 2 s on any machine; on timeout the answer is 504 and the engine stops."""
+@pytest.fixture(scope="module")
+def timed(tiny_llama, tmp_path_factory):
+    """A short request timeout and one sequence at a time: a long request cannot finish."""
+    server = serve(tiny_llama, tmp_path_factory, "timed", "--request-timeout",
+                   str(REQUEST_TIMEOUT_S), "--max-num-seqs", "1")
+    yield server
+    server.stop()
+
+
+def test_request_timeout_is_504_and_stops_the_generation(timed):
+    """128 choices × 480 tokens, one sequence at a time, is over 60,000 decode steps: far
+    more than 1 s on any machine; on timeout the answer is 504 and the engine stops."""
     body = {"model": "tiny", "prompt": "A list", "max_tokens": 480, "min_tokens": 480, "n": 128}
-    before = generated_tokens_after_idle(guarded.base_url)
-    resp = httpx.post(f"{guarded.base_url}/v1/completions", json=body, headers=AUTH, timeout=120)
+    before = generated_tokens_after_idle(timed.base_url)
+    resp = httpx.post(f"{timed.base_url}/v1/completions", json=body, timeout=120)
     assert resp.status_code == 504
     assert resp.json()["error"] == {"message": f"the request did not finish within "
                                     f"{REQUEST_TIMEOUT_S} s (--request-timeout)",
                                     "type": "server_error", "param": None, "code": 504}
-    assert generated_tokens_after_idle(guarded.base_url) - before < 128 * 480
+    assert generated_tokens_after_idle(timed.base_url) - before < 128 * 480
 
-    with httpx.stream("POST", f"{guarded.base_url}/v1/completions", json={**body, "stream": True},
-                      headers=AUTH, timeout=120) as stream:
+    with httpx.stream("POST", f"{timed.base_url}/v1/completions", json={**body, "stream": True},
+                      timeout=120) as stream:
         assert stream.status_code == 200
         events = [line for line in stream.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
@@ -253,6 +263,7 @@ def test_sigterm_drains_in_flight_streams_then_exits_zero(tiny_llama, tmp_path_f
             for _ in range(8):
                 assert started.acquire(timeout=120)
             server.proc.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
             ready = wait_for_status(f"{server.base_url}/ready", 503)
             during = httpx.post(f"{server.base_url}/v1/completions",
                                 json={"model": "tiny", "prompt": "x", "max_tokens": 1})
@@ -263,5 +274,7 @@ def test_sigterm_drains_in_flight_streams_then_exits_zero(tiny_llama, tmp_path_f
                                           "param": None, "code": 503}
         assert ready.status_code == 503
         assert server.proc.wait(timeout=60) == 0
+        print(f"\ndrain: 8 streams × {NEW_TOKENS} tokens finished, exit 0 "
+              f"{time.monotonic() - signalled:.1f} s after SIGTERM")
     finally:
         server.stop()

@@ -1,0 +1,130 @@
+"""Kernel microbenchmark: our ragged paged attention (compiled, as in the step graph) vs
+vLLM's CPU attention op (`cpu_attention_with_kv_cache`) on the same shapes and the same
+K/V, decode-heavy and prefill-heavy; outputs checked equal before timing.
+
+    .venv/bin/python benchmarks/attention_bench.py [--model smollm2-135m]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+BLOCK_SIZE = 32
+# name: (context length per request, query tokens per request, requests)
+CASES = {"decode: 32 seqs × 1 token, context 640": (640, 1, 32),
+         "prefill: 1 seq × 256 tokens, context 256": (256, 256, 1),
+         "prefill chunk: 2 seqs × 256 tokens, context 512": (512, 256, 2)}
+
+
+def _case(shape, context: int, q_len: int, reqs: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_req = -(-context // BLOCK_SIZE)
+    num_blocks = 1 + reqs * blocks_per_req
+    perm = torch.randperm(num_blocks - 1, generator=gen) + 1
+    block_table = perm.view(reqs, blocks_per_req)
+    kv = torch.randn(num_blocks, BLOCK_SIZE, shape.kv_heads, 2 * shape.head_dim, generator=gen)
+    query = torch.randn(reqs * q_len, shape.heads, shape.head_dim, generator=gen)
+    token_req = torch.arange(reqs).repeat_interleave(q_len)
+    token_pos = (torch.arange(context - q_len, context)).repeat(reqs)
+    return query, kv, block_table, token_req, token_pos
+
+
+def _ours(shape, case):
+    from neuron_serve.attention.kernels import ragged_paged_attention
+
+    query, kv, block_table, token_req, token_pos = case
+    fn = torch.compile(ragged_paged_attention, fullgraph=True, dynamic=False)
+    scale = shape.head_dim ** -0.5
+    return lambda: fn(query, kv, block_table, token_req, token_pos, scale)
+
+
+def _vllm(shape, case, context: int, q_len: int, reqs: int):
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    query, kv, block_table, _, _ = case
+    # vLLM's own cache layout, written by its own op from the same keys and values.
+    num_blocks = kv.shape[0]
+    alloc = torch.zeros(num_blocks, shape.kv_heads, 2 * BLOCK_SIZE, shape.head_dim)
+    key_cache, value_cache = alloc.chunk(2, dim=2)
+    flat = kv.view(num_blocks * BLOCK_SIZE, shape.kv_heads, 2 * shape.head_dim)
+    slots = torch.arange(BLOCK_SIZE, num_blocks * BLOCK_SIZE)  # every slot outside the null block
+    isa = _get_attn_isa(torch.float32, BLOCK_SIZE, shape.head_dim)
+    ops.cpu_attn_reshape_and_cache(flat[slots, :, :shape.head_dim].contiguous(),
+                                   flat[slots, :, shape.head_dim:].contiguous(),
+                                   key_cache, value_cache, slots, isa)
+    query_start_loc = torch.arange(0, reqs + 1, dtype=torch.int32) * q_len
+    seq_lens = torch.full((reqs,), context, dtype=torch.int32)
+    metadata = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=reqs, num_heads=shape.heads, num_kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+        seq_lens=seq_lens, dtype=torch.float32, query_start_loc=query_start_loc, causal=True,
+        sliding_window_size=-1, isa=isa, enable_kv_split=False)
+    output = torch.empty_like(query)
+    table = block_table.to(torch.int32)
+
+    def run():
+        ops.cpu_attention_with_kv_cache(
+            query=query, key_cache=key_cache, value_cache=value_cache, output=output,
+            query_start_loc=query_start_loc, seq_lens=seq_lens, scale=shape.head_dim ** -0.5,
+            causal=True, alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0,
+            scheduler_metadata=metadata, s_aux=None)
+        return output
+    return run
+
+
+def _median_ms(fn, repeats: int) -> tuple[float, float, float]:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(1000 * (time.perf_counter() - t0))
+    return statistics.median(times), min(times), max(times)
+
+
+def run(shape, repeats: int = 5) -> list[dict]:
+    rows = []
+    for name, (context, q_len, reqs) in CASES.items():
+        case = _case(shape, context, q_len, reqs)
+        ours, theirs = _ours(shape, case), _vllm(shape, case, context, q_len, reqs)
+        torch.testing.assert_close(ours(), theirs(), rtol=1e-3, atol=1e-3)
+        o, t = _median_ms(ours, repeats), _median_ms(theirs, repeats)
+        rows.append(dict(case=name, ours_ms=o[0], ours_min=o[1], ours_max=o[2],
+                         vllm_ms=t[0], vllm_min=t[1], vllm_max=t[2], ours_over_vllm=o[0] / t[0]))
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["## Attention kernel (ms per layer call, median [min–max])", "",
+             "| case | ours (compiled) | vLLM CPU op | ours ÷ vLLM |", "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['case']} | {r['ours_ms']:.3f} [{r['ours_min']:.3f}–{r['ours_max']:.3f}] | "
+                     f"{r['vllm_ms']:.3f} [{r['vllm_min']:.3f}–{r['vllm_max']:.3f}] | "
+                     f"{r['ours_over_vllm']:.2f}× |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    import hardware
+    from shapes import SHAPES, checkpoint
+    from transformers import AutoConfig
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    path = checkpoint(args.model) if args.model in SHAPES else Path(args.model)
+    print(markdown(run(hardware.ModelShape.of(AutoConfig.from_pretrained(path)), args.repeats)))
+
+
+if __name__ == "__main__":
+    main()

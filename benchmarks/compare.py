@@ -1,0 +1,234 @@
+"""Side by side, same run: our platform (compiled) vs vLLM's CPU backend vs Transformers.
+
+    .venv/bin/python benchmarks/compare.py [--model smollm2-135m] [--repeats 3]
+
+Offline: output tokens/s for every (sequences, prompt length) pair, the systems taking
+turns job by job so that machine noise hits all of them alike; median of --repeats with
+min and max. The limit column is this machine's speed limit for the same work (read
+bandwidth and fp32 GEMM rate measured by this script; benchmarks/hardware.py). Online
+(--online): our server vs `vllm serve` on the CPU backend under a request-rate sweep
+(benchmarks/online.py). Kernels (--kernels): our ragged paged attention vs vLLM's CPU
+attention op (benchmarks/attention_bench.py).
+
+Writes <out>/<name>.json, <name>.md and <name>.png (default out: benchmarks/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from itertools import product
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import hardware  # noqa: E402
+from shapes import SHAPES, checkpoint  # noqa: E402
+from systems import SYSTEMS  # noqa: E402
+
+LABELS = {"neuron": "neuron-serve (emulated, compiled)", "vllm-cpu": "vLLM CPU backend",
+          "transformers": "Transformers generate (static cache, compiled)"}
+
+
+class SystemProcess:
+    """One system's long-lived process: jobs in on stdin, RESULT lines out on stdout."""
+
+    def __init__(self, system: str, model: Path, engine_flags: list[str], log: Path):
+        self.system = system
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "systems.py"), system, str(model), *engine_flags],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1)
+        self.ready_seconds = self._result()["ready_seconds"]
+
+    def _result(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith("RESULT "):
+                return json.loads(line[len("RESULT "):])
+            self._log.write(line)
+        raise RuntimeError(f"{self.system} exited with {self.proc.wait()}; see {self._log.name}")
+
+    def run(self, job: dict) -> dict:
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        return self._result()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+        self._log.close()
+
+
+def run_offline(args, model: Path, machine: hardware.Machine, shape: hardware.ModelShape) -> list[dict]:
+    engine_flags = ["--max-num-seqs", str(max(args.batches)),
+                    "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                    "--max-model-len", str(args.max_model_len), "--kv-cache-gb", str(args.kv_cache_gb)]
+    procs = []
+    try:
+        for system in args.systems:
+            print(f"starting {system} ...", flush=True)
+            procs.append(SystemProcess(system, model, engine_flags, args.out / f"{args.name}.{system}.log"))
+            print(f"  ready in {procs[-1].ready_seconds:.0f} s", flush=True)
+        jobs = [dict(batch=b, prompt=p, output=args.output, seed=1000 * b + p)
+                for p, b in product(args.prompts, args.batches)]
+        for job in jobs:  # warm-up: compiles what is compiled per shape (Transformers)
+            for proc in procs:
+                proc.run(job)
+        samples = {(p.system, j["batch"], j["prompt"]): [] for p in procs for j in jobs}
+        for rep in range(args.repeats):
+            for job in jobs:
+                for proc in procs:  # the systems take turns, job by job
+                    r = proc.run(job)
+                    samples[(proc.system, job["batch"], job["prompt"])].append(r["output_tokens"] / r["seconds"])
+                    print(f"  rep {rep + 1} {proc.system:12s} seqs {job['batch']:3d} prompt "
+                          f"{job['prompt']:4d}: {samples[(proc.system, job['batch'], job['prompt'])][-1]:8.1f} tok/s",
+                          flush=True)
+    finally:
+        for proc in procs:
+            proc.close()
+    rows = []
+    for (system, batch, prompt), tps in samples.items():
+        limit_s = hardware.generation_limit_seconds(shape, machine, batch, prompt, args.output)
+        median = statistics.median(tps)
+        rows.append(dict(system=system, batch=batch, prompt=prompt, output=args.output,
+                         tok_s_median=median, tok_s_min=min(tps), tok_s_max=max(tps), samples=tps,
+                         limit_tok_s=batch * args.output / limit_s,
+                         share_of_limit=median * limit_s / (batch * args.output)))
+    return rows
+
+
+def ratio_table(rows: list[dict]) -> list[dict]:
+    by = {(r["system"], r["batch"], r["prompt"]): r["tok_s_median"] for r in rows}
+    out = []
+    for (system, batch, prompt), value in by.items():
+        if system != "neuron":
+            continue
+        out.append(dict(batch=batch, prompt=prompt,
+                        vs_vllm_cpu=value / by[("vllm-cpu", batch, prompt)] if ("vllm-cpu", batch, prompt) in by else None,
+                        vs_transformers=value / by[("transformers", batch, prompt)] if ("transformers", batch, prompt) in by else None))
+    return out
+
+
+def _times(value: float | None) -> str:
+    return f"{value:.2f}×" if value else "–"
+
+
+def markdown(report: dict) -> str:
+    m = report["machine"]
+    lines = [f"# {report['name']}: {report['model']}", "",
+             f"Command: `{report['command']}`  ", f"Date: {report['date']}  ",
+             f"Machine: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}, ISA "
+             f"{m['isa']} ({' '.join(m['flags'])}); measured read bandwidth "
+             f"{m['read_gb_per_s']:.1f} GB/s, fp32 GEMM {m['fp32_gemm_gflop_per_s']:.0f} GFLOP/s", "",
+             f"## Offline throughput (output tok/s, median of {report['repeats']}, [min–max])", "",
+             "| seqs | prompt | " + " | ".join(LABELS[s] for s in report["systems"]) +
+             " | limit | ours ÷ limit | ours ÷ vLLM CPU | ours ÷ Transformers |",
+             "|---|---|" + "---|" * (len(report["systems"]) + 4)]
+    rows = {(r["system"], r["batch"], r["prompt"]): r for r in report["offline"]}
+    ratios = {(r["batch"], r["prompt"]): r for r in report["ratios"]}
+    for (batch, prompt) in sorted({(r["batch"], r["prompt"]) for r in report["offline"]},
+                                  key=lambda k: (k[1], k[0])):
+        cells = []
+        for s in report["systems"]:
+            r = rows.get((s, batch, prompt))
+            cells.append(f"{r['tok_s_median']:.1f} [{r['tok_s_min']:.1f}–{r['tok_s_max']:.1f}]" if r else "–")
+        limit = next(r for (s, b, p), r in rows.items() if b == batch and p == prompt)["limit_tok_s"]
+        ours = rows.get(("neuron", batch, prompt))
+        ratio = ratios.get((batch, prompt), {})
+        share = f"{ours['share_of_limit'] * 100:.0f} %" if ours else "–"
+        lines.append(f"| {batch} | {prompt} | " + " | ".join(cells) + f" | {limit:.0f} | {share} | "
+                     f"{_times(ratio.get('vs_vllm_cpu'))} | {_times(ratio.get('vs_transformers'))} |")
+    for extra in ("online_markdown", "kernels_markdown"):
+        if report.get(extra):
+            lines += ["", report[extra]]
+    return "\n".join(lines) + "\n"
+
+
+def chart(report: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted({(r["batch"], r["prompt"]) for r in report["offline"]}, key=lambda k: (k[1], k[0]))
+    rows = {(r["system"], r["batch"], r["prompt"]): r for r in report["offline"]}
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(keys)), 4.5))
+    width = 0.8 / (len(report["systems"]) + 1)
+    for i, system in enumerate(report["systems"]):
+        xs, ys, lo, hi = [], [], [], []
+        for k, key in enumerate(keys):
+            r = rows.get((system, *key))
+            if r:
+                xs.append(k + i * width)
+                ys.append(r["tok_s_median"])
+                lo.append(r["tok_s_median"] - r["tok_s_min"])
+                hi.append(r["tok_s_max"] - r["tok_s_median"])
+        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=LABELS[system])
+    limits = [next(r for (s, b, p), r in rows.items() if (b, p) == key)["limit_tok_s"] for key in keys]
+    ax.bar([k + len(report["systems"]) * width for k in range(len(keys))], limits, width,
+           color="lightgrey", hatch="//", label="machine limit")
+    ax.set_xticks([k + width * len(report["systems"]) / 2 for k in range(len(keys))])
+    ax.set_xticklabels([f"{b} seqs\nprompt {p}" for b, p in keys])
+    ax.set_ylabel("output tokens/s")
+    ax.set_yscale("log")
+    ax.set_title(f"{report['model']}, fp32, output {report['output']} tokens")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m",
+                        help=f"one of {sorted(SHAPES)} (random weights, built once), or a checkpoint dir")
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--prompts", default="128,512")
+    parser.add_argument("--output", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=256)
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--kv-cache-gb", type=int, default=2)
+    parser.add_argument("--online", action="store_true", help="also the request-rate sweep")
+    parser.add_argument("--online-rates", default="0.5,1,2")
+    parser.add_argument("--online-requests", type=int, default=16)
+    parser.add_argument("--kernels", action="store_true", help="also the attention microbenchmark")
+    parser.add_argument("--name", default=None, help="file stem (default: the model name)")
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    args = parser.parse_args()
+    args.systems = args.systems.split(",")
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.prompts = [int(p) for p in args.prompts.split(",")]
+    args.online_rates_list = [float(r) for r in args.online_rates.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = checkpoint(args.model) if args.model in SHAPES else Path(args.model)
+    args.name = args.name or Path(args.model).name
+
+    from transformers import AutoConfig
+    shape = hardware.ModelShape.of(AutoConfig.from_pretrained(model))
+    machine = hardware.measure()
+    print(f"machine: {machine}", flush=True)
+    report = dict(name=args.name, model=args.model, command=" ".join(["benchmarks/compare.py", *sys.argv[1:]]),
+                  date=time.strftime("%Y-%m-%d %H:%M"), machine=machine.as_dict(), shape=shape.__dict__,
+                  systems=args.systems, repeats=args.repeats, output=args.output)
+    report["offline"] = run_offline(args, model, machine, shape)
+    report["ratios"] = ratio_table(report["offline"])
+    if args.online:
+        import online
+        report["online"] = online.sweep(args, model)
+        report["online_markdown"] = online.markdown(report["online"])
+    if args.kernels:
+        import attention_bench
+        report["kernels"] = attention_bench.run(shape, repeats=max(args.repeats, 3))
+        report["kernels_markdown"] = attention_bench.markdown(report["kernels"])
+    (args.out / f"{args.name}.json").write_text(json.dumps(report, indent=1))
+    (args.out / f"{args.name}.md").write_text(markdown(report))
+    chart(report, args.out / f"{args.name}.png")
+    print((args.out / f"{args.name}.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
