@@ -113,8 +113,16 @@ def test_padded_step_leaves_real_kv_untouched():
     assert set(changed) - set(range(bs)) == real  # beyond the null block: exactly the real slots
 
 
-def test_compiled_kernel_matches_eager():
-    query, kv_cache, table, req_of, pos_of, _, n = make_case(1, [40, 12, 7], [8, 1, 7], 4, 2, 16, 4)
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (6, None), (None, 5.0)])
+def test_compiled_kernel_matches_naive_attention(heads, window, soft_cap):
+    """Under torch.compile the kernel takes its fused form (kernels._fused_attention)."""
+    num_heads, num_kv_heads = heads
+    query, kv_cache, table, req_of, pos_of, dense, n = make_case(
+        1, [40, 12, 7], [8, 1, 7], num_heads, num_kv_heads, 16, 16)
     fn = torch.compile(ragged_paged_attention, fullgraph=True, dynamic=False, backend="inductor")
-    args = (query, kv_cache, table, req_of, pos_of, 0.25, 6, None)
-    torch.testing.assert_close(fn(*args), ragged_paged_attention(*args), rtol=1e-5, atol=1e-5)
+    out = fn(query, kv_cache, table, req_of, pos_of, 0.25, window, soft_cap)
+    expected = torch.stack([naive_attention(query[t], *dense[req_of[t]], int(pos_of[t]), 0.25,
+                                            window, soft_cap) for t in range(n)])
+    torch.testing.assert_close(out[:n], expected, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(out).all()
