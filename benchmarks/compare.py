@@ -71,7 +71,7 @@ def run_offline(args, model: Path, machine: hardware.Machine, shape: hardware.Mo
     try:
         for system in args.systems:
             print(f"starting {system} ...", flush=True)
-            procs.append(SystemProcess(system, model, engine_flags, args.out / f"{args.name}.{system}.log"))
+            procs.append(SystemProcess(system, model, engine_flags, args.logs / f"{args.name}.{system}.log"))
             print(f"  ready in {procs[-1].ready_seconds:.0f} s", flush=True)
         jobs = [dict(batch=b, prompt=p, output=args.output, seed=1000 * b + p)
                 for p, b in product(args.prompts, args.batches)]
@@ -90,15 +90,31 @@ def run_offline(args, model: Path, machine: hardware.Machine, shape: hardware.Mo
     finally:
         for proc in procs:
             proc.close()
-    rows = []
-    for (system, batch, prompt), tps in samples.items():
-        limit_s = hardware.generation_limit_seconds(shape, machine, batch, prompt, args.output)
-        median = statistics.median(tps)
-        rows.append(dict(system=system, batch=batch, prompt=prompt, output=args.output,
-                         tok_s_median=median, tok_s_min=min(tps), tok_s_max=max(tps), samples=tps,
-                         limit_tok_s=batch * args.output / limit_s,
-                         share_of_limit=median * limit_s / (batch * args.output)))
-    return rows
+    return [offline_row(system, batch, prompt, args.output, tps, shape, machine)
+            for (system, batch, prompt), tps in samples.items()]
+
+
+def offline_row(system: str, batch: int, prompt: int, output: int, tps: list[float],
+                shape: hardware.ModelShape, machine: hardware.Machine) -> dict:
+    limit_s = hardware.generation_limit_seconds(shape, machine, batch, prompt, output)
+    median = statistics.median(tps)
+    return dict(system=system, batch=batch, prompt=prompt, output=output, tok_s_median=median,
+                tok_s_min=min(tps), tok_s_max=max(tps), samples=tps,
+                limit_tok_s=batch * output / limit_s,
+                share_of_limit=median * limit_s / (batch * output))
+
+
+def rerender(path: Path) -> None:
+    """Recompute limits and ratios of a saved run (e.g. after a fix to the limit model) and
+    rewrite its markdown and chart; the measurements are kept as they are."""
+    report = json.loads(path.read_text())
+    shape, machine = hardware.ModelShape(**report["shape"]), hardware.Machine(**report["machine"])
+    report["offline"] = [offline_row(r["system"], r["batch"], r["prompt"], r["output"], r["samples"],
+                                     shape, machine) for r in report["offline"]]
+    report["ratios"] = ratio_table(report["offline"])
+    path.write_text(json.dumps(report, indent=1))
+    path.with_suffix(".md").write_text(markdown(report))
+    chart(report, path.with_suffix(".png"))
 
 
 def ratio_table(rows: list[dict]) -> list[dict]:
@@ -198,12 +214,17 @@ def main() -> None:
     parser.add_argument("--kernels", action="store_true", help="also the attention microbenchmark")
     parser.add_argument("--name", default=None, help="file stem (default: the model name)")
     parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--rerender", type=Path, metavar="JSON",
+                        help="only rebuild the markdown and chart of a saved run")
     args = parser.parse_args()
+    if args.rerender:
+        return rerender(args.rerender)
     args.systems = args.systems.split(",")
     args.batches = [int(b) for b in args.batches.split(",")]
     args.prompts = [int(p) for p in args.prompts.split(",")]
     args.online_rates_list = [float(r) for r in args.online_rates.split(",")]
-    args.out.mkdir(parents=True, exist_ok=True)
+    args.logs = args.out / ".logs"  # each system's own output, kept out of the results
+    args.logs.mkdir(parents=True, exist_ok=True)
     model = checkpoint(args.model) if args.model in SHAPES else Path(args.model)
     args.name = args.name or Path(args.model).name
 

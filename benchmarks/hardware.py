@@ -103,11 +103,13 @@ class ModelShape:
 def generation_limit_seconds(shape: ModelShape, machine: Machine, batch: int, prompt: int,
                              output: int, dtype_bytes: int = 4) -> float:
     """Fastest possible time for `batch` sequences of `prompt` tokens to generate `output`
-    tokens each: the prefill's FLOPs, then output-1 decode steps at their limit."""
+    tokens each: the prefill's FLOPs (the first token), then output-1 decode steps at
+    their limit."""
     gemm = machine.fp32_gemm_gflop_per_s * 1e9
     bandwidth = machine.read_gb_per_s * 1e9
-    prefill_flops = batch * sum(2 * shape.matmul_weights + shape.attention_flops(c + 1)
-                                for c in range(prompt))
+    body = shape.matmul_weights - shape.vocab * shape.hidden  # every prompt token
+    prefill_flops = batch * (sum(2 * body + shape.attention_flops(c + 1) for c in range(prompt))
+                             + 2 * shape.vocab * shape.hidden)  # logits of the last token only
     total = prefill_flops / gemm
     for step in range(1, output):
         context = prompt + step

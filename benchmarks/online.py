@@ -128,7 +128,7 @@ def sweep(args, model: Path) -> list[dict]:
     try:
         for system in systems:
             print(f"starting {system} server ...", flush=True)
-            servers.append(Server(system, model, flags, args.out / f"{args.name}.{system}-server.log"))
+            servers.append(Server(system, model, flags, args.logs / f"{args.name}.{system}-server.log"))
         runs = {(s.system, rate): [] for s in servers for rate in args.online_rates_list}
         for s in servers:  # warm-up
             asyncio.run(_load(s.base_url, 4.0, 4, args.prompts[0], 8, vocab, seed=1))
