@@ -67,6 +67,14 @@ class Device:
             torch.accelerator.empty_host_cache = empty_host_cache
             torch.accelerator.synchronize = synchronize
 
+    def compiler_config(self) -> dict:
+        """Options for torch.compile's backend. Emulated: inductor turns few-row matrix
+        products (decode steps) into reductions, 3x faster than CPU BLAS for one row."""
+        if self.backend != "emulated":
+            return {}
+        from neuron_serve.model_runner.small_gemm import SmallGemmAsReduction
+        return {"post_grad_custom_post_pass": SmallGemmAsReduction()}
+
     def compile_options(self) -> dict:
         """Everything besides the traced program that decides the compiled code: part of
         every compiled-graph cache key."""
@@ -74,7 +82,8 @@ class Device:
         if self.backend == "emulated":
             # Inductor bakes the OpenMP thread count and the vector ISA into each kernel.
             options.update(threads=torch.get_num_threads(),
-                           isa=torch.backends.cpu.get_cpu_capability())
+                           isa=torch.backends.cpu.get_cpu_capability(),
+                           passes=[p.uuid() for p in self.compiler_config().values()])
         return options
 
     def total_memory_bytes(self) -> int:
