@@ -67,13 +67,18 @@ class Device:
             torch.accelerator.empty_host_cache = empty_host_cache
             torch.accelerator.synchronize = synchronize
 
-    def compiler_config(self) -> dict:
-        """Options for torch.compile's backend. Emulated: inductor turns few-row matrix
-        products (decode steps) into reductions, 3x faster than CPU BLAS for one row."""
-        if self.backend != "emulated":
-            return {}
-        from neuron_serve.model_runner.small_gemm import SmallGemmAsReduction
-        return {"post_grad_custom_post_pass": SmallGemmAsReduction()}
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        """Per-device rewrites of a loaded model. Emulated: linear layers on oneDNN with
+        prepacked weights (2-3x aten's CPU GEMM at every step size)."""
+        if self.packed_linear:
+            from neuron_serve.model_runner import packed_linear
+            count = packed_linear.pack_linear_layers(model)
+            logger.info("emulated backend: %d linear layers on prepacked oneDNN matmuls", count)
+
+    @property
+    def packed_linear(self) -> bool:
+        from neuron_serve.model_runner import packed_linear
+        return self.backend == "emulated" and packed_linear.supported()
 
     def compile_options(self) -> dict:
         """Everything besides the traced program that decides the compiled code: part of
@@ -83,7 +88,7 @@ class Device:
             # Inductor bakes the OpenMP thread count and the vector ISA into each kernel.
             options.update(threads=torch.get_num_threads(),
                            isa=torch.backends.cpu.get_cpu_capability(),
-                           passes=[p.uuid() for p in self.compiler_config().values()])
+                           linear="onednn-packed" if self.packed_linear else "aten")
         return options
 
     def total_memory_bytes(self) -> int:

@@ -136,6 +136,9 @@ class NeuronPlatform(Platform):
         compilation.mode = CompilationMode.NONE
         compilation.cudagraph_mode = CUDAGraphMode.NONE
         compilation.cudagraph_capture_sizes = []
+        # vLLM IR ops (RMSNorm, ...) straight to their implementations, so our graphs trace
+        # through them instead of calling an opaque op that runs eagerly.
+        compilation.ir_enable_torch_wrap = False
         vllm_config.scheduler_config.async_scheduling = False
         # A forked child of a process whose OpenMP pool is running deadlocks in its first
         # torch op (seen: engine core hanging while building RoPE tables). Spawn instead.

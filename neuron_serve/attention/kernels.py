@@ -77,14 +77,17 @@ def _fused_attention(q, key, value, visible, scale, soft_cap):
     """For torch.compile: scores and output as broadcast products summed over a dimension,
     so that inductor fuses the block-table gather into both reductions and reads the cache
     in place. A matmul first copies every token's whole context (once per query token of a
-    prefill chunk): 12x slower for a 256-token prefill, 1.8x for decodes
-    (benchmarks/attention_bench.py). Eagerly, the products would be materialised whole."""
-    scores = (q[:, None] * key[:, :, :, None, :]).sum(-1) * scale  # [T, C, H_kv, G]
+    prefill chunk): 10-20x slower for a 256-token prefill, 2-5x for decodes. Scores are laid
+    out [T, H_kv, G, C], context last, so the softmax reads contiguous rows (3x faster
+    than context-major for 32 decodes; benchmarks/attention_bench.py). Eagerly, the
+    products would be materialised whole."""
+    key = key.permute(0, 2, 1, 3)[:, :, None]  # [T, H_kv, 1, C, D]
+    value = value.permute(0, 2, 1, 3)[:, :, None]
+    scores = (q[:, :, :, None, :] * key).sum(-1) * scale  # [T, H_kv, G, C]
     if soft_cap:
         scores = soft_cap * torch.tanh(scores / soft_cap)
-    scores = scores.masked_fill(~visible[:, :, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=1)
-    return (probs[..., None] * value[:, :, :, None, :]).sum(1)  # [T, H_kv, G, D]
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    return (torch.softmax(scores, dim=-1)[..., None] * value).sum(-2)  # [T, H_kv, G, D]
 
 
 def _matmul_attention(q, key, value, visible, scale, soft_cap):

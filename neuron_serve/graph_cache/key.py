@@ -22,8 +22,9 @@ from neuron_serve.model_runner.buckets import Bucket
 
 _NOT_SHAPING = {"_name_or_path", "name_or_path", "_commit_hash", "transformers_version",
                 "torch_dtype", "dtype"}
-# Sources whose code ends up inside the compiled step.
-_STEP_SOURCES = ("attention", "model_runner")
+# Sources whose code ends up inside the compiled step, or configures how vLLM's model code
+# traces (the platform) and what the compiler is given (the device).
+_STEP_SOURCES = ("attention", "model_runner", "platform.py", "device.py")
 
 
 @functools.cache
@@ -31,7 +32,8 @@ def versions() -> dict[str, str]:
     package = Path(__file__).resolve().parents[1]
     digest = hashlib.sha256()
     for sub in _STEP_SOURCES:
-        for path in sorted((package / sub).rglob("*.py")):
+        source = package / sub
+        for path in sorted(source.rglob("*.py")) if source.is_dir() else [source]:
             digest.update(path.read_bytes())
     return {
         "python": platform.python_version(),

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 import torch
 from vllm.forward_context import create_forward_context, override_forward_context
 
-from neuron_serve.device import current as current_device
 from neuron_serve.graph_cache.store import GraphCache, GraphKey
 from neuron_serve.logs import init_logger
 from neuron_serve.model_runner.buckets import Bucket
@@ -154,8 +153,7 @@ class StepGraphs:
 
     def _compile(self, bucket: Bucket) -> Callable:
         self.buffers[bucket].fill({})  # padding only: writes reach the null block alone
-        compiled = torch.compile(step, backend=self.compile_backend, fullgraph=True, dynamic=False,
-                                 options=current_device().compiler_config() or None)
+        compiled = torch.compile(step, backend=self.compile_backend, fullgraph=True, dynamic=False)
         buf = self.buffers[bucket]
         with torch.no_grad(), override_forward_context(self._contexts[bucket]):
             fn = compiled.aot_compile(

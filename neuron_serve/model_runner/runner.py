@@ -65,6 +65,7 @@ class NeuronModelRunner:
 
     def load_model(self) -> None:
         self.model = get_model(vllm_config=self.vllm_config).eval()
+        device_mod.current().prepare_model(self.model)
 
     def attention_layers(self) -> dict[str, AttentionLayerBase]:
         from vllm.config import get_layers_from_vllm_config
