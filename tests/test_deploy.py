@@ -41,7 +41,7 @@ COMPOSITIONS = {
     "trn2+neuron-scheduler": ("trn2", "neuron-scheduler"),
     "trn2+precompile-init": ("trn2", "precompile-init"),
 }
-CORES_PER_TRN2_DEVICE = 8  # physical NeuronCores; NEURON_LOGICAL_NC_CONFIG groups them
+LOGICAL_CORES_PER_TRN2_DEVICE = 4  # 8 physical NeuronCores, paired (NEURON_LOGICAL_NC_CONFIG=2)
 
 
 def _kustomize(path: Path) -> list[dict]:
@@ -271,11 +271,14 @@ def test_commands_parse_and_precompile_the_servers_graphs(rendered, composition,
         for field in ("image", "env", "resources", "volumeMounts", "securityContext"):
             assert c_container[field] == container[field], f"{c_where}: {field} differs"
 
-    devices = int(container["resources"]["limits"].get("aws.amazon.com/neuron", 0))
-    if devices:
+    limits = container["resources"]["limits"]
+    cores = (int(limits.get("aws.amazon.com/neuron", 0)) * LOGICAL_CORES_PER_TRN2_DEVICE
+             + int(limits.get("aws.amazon.com/neuroncore", 0)))
+    if cores:
         env = {e["name"]: e.get("value") for e in container["env"]}
-        logical = devices * CORES_PER_TRN2_DEVICE // int(env["NEURON_LOGICAL_NC_CONFIG"])
-        assert args.tensor_parallel_size == logical, "one rank per logical NeuronCore"
+        assert env["NEURON_LOGICAL_NC_CONFIG"] == "2"
+        assert args.tensor_parallel_size == cores, "one rank per logical NeuronCore"
+        assert args.tensor_parallel_size == 1, "the neuron platform runs tensor-parallel size 1"
 
 
 def test_dockerfile_matches_the_project_and_the_manifests(rendered):
