@@ -7,7 +7,7 @@ PORT   ?= 8000
 MODEL  ?=
 ARGS   ?=
 
-.PHONY: venv serve test clean
+.PHONY: venv tools serve test clean
 
 $(READY): pyproject.toml tools/setup_env.py
 	$(PYTHON) tools/setup_env.py $(VENV)
@@ -15,11 +15,15 @@ $(READY): pyproject.toml tools/setup_env.py
 
 venv: $(READY)
 
+# Test tools with clashing pins (checkov) live in .tools/, outside .venv; reruns are no-ops.
+tools:
+	$(PYTHON) tools/setup_env.py --tools-only
+
 serve: $(READY)
 	$(VENV)/bin/neuron-serve serve $(MODEL) --host $(HOST) --port $(PORT) $(ARGS)
 
-test: $(READY)
+test: $(READY) tools
 	$(VENV)/bin/python -m pytest $(ARGS)
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) .tools

@@ -241,11 +241,25 @@ def _check_model(args: argparse.Namespace) -> None:
                  "directory (models are never downloaded; pass a path to config.json's folder)")
 
 
+def _config_names_model(argv: list[str]) -> bool:
+    """vLLM's `--config FILE` (YAML of flags) names the model with a `model` key."""
+    if "--config" not in argv[:-1]:
+        return False
+    import yaml
+    try:
+        with open(argv[argv.index("--config") + 1]) as f:
+            return "model" in (yaml.safe_load(f) or {})
+    except OSError:
+        return False  # vLLM's parser reports the unreadable file
+
+
 def _with_default_model(argv: list[str]) -> list[str]:
-    """`serve --flags` means the demo model; vLLM's parser rejects `serve` followed by a
-    flag when --served-model-name is among them, so name the model explicitly."""
+    """`serve --flags` means the demo model unless a --config file names one; vLLM's parser
+    rejects `serve` followed by a flag when --served-model-name is among them, so name the
+    model explicitly."""
     if (len(argv) > 1 and argv[0] == "serve" and argv[1].startswith("-")
             and not any(a == "--model" or a.startswith("--model=") for a in argv)
+            and not _config_names_model(argv)
             and not any(a in ("-h", "--help") for a in argv)):
         return [argv[0], str(DEMO_MODEL_DIR), *argv[1:]]
     return argv

