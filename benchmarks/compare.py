@@ -135,8 +135,11 @@ def _times(value: float | None) -> str:
 
 def markdown(report: dict) -> str:
     m = report["machine"]
-    lines = [f"# {report['name']}: {report['model']}", "",
-             f"Command: `{report['command']}`  ", f"Date: {report['date']}  ",
+    title = report["name"] if report["name"] == report["model"] else f"{report['name']}: {report['model']}"
+    lines = [f"# {title}", "",
+             f"Command: `{report['command']}`  ",
+             *([f"Resumed after a failure with: `{report['resumed']}`  "] if "resumed" in report else []),
+             f"Date: {report['date']}  ",
              f"Machine: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}, ISA "
              f"{m['isa']} ({' '.join(m['flags'])}); measured read bandwidth "
              f"{m['read_gb_per_s']:.1f} GB/s, fp32 GEMM {m['fp32_gemm_gflop_per_s']:.0f} GFLOP/s", "",
@@ -214,6 +217,8 @@ def main() -> None:
     parser.add_argument("--kernels", action="store_true", help="also the attention microbenchmark")
     parser.add_argument("--name", default=None, help="file stem (default: the model name)")
     parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--resume", action="store_true",
+                        help="add the phases missing from this run's saved report (after a failure)")
     parser.add_argument("--rerender", type=Path, metavar="JSON",
                         help="only rebuild the markdown and chart of a saved run")
     args = parser.parse_args()
@@ -230,25 +235,39 @@ def main() -> None:
 
     from transformers import AutoConfig
     shape = hardware.ModelShape.of(AutoConfig.from_pretrained(model))
-    machine = hardware.measure()
-    print(f"machine: {machine}", flush=True)
-    report = dict(name=args.name, model=args.model, command=" ".join(["benchmarks/compare.py", *sys.argv[1:]]),
-                  date=time.strftime("%Y-%m-%d %H:%M"), machine=machine.as_dict(), shape=shape.__dict__,
-                  systems=args.systems, repeats=args.repeats, output=args.output)
-    report["offline"] = run_offline(args, model, machine, shape)
-    report["ratios"] = ratio_table(report["offline"])
-    if args.online:
+    path = args.out / f"{args.name}.json"
+    if args.resume:  # phases already in the report are kept, with its machine facts
+        report = json.loads(path.read_text())
+        machine = hardware.Machine(**report["machine"])
+        report["resumed"] = " ".join(["benchmarks/compare.py", *sys.argv[1:]])
+    else:
+        machine = hardware.measure()
+        print(f"machine: {machine}", flush=True)
+        report = dict(name=args.name, model=args.model, command=" ".join(["benchmarks/compare.py", *sys.argv[1:]]),
+                      date=time.strftime("%Y-%m-%d %H:%M"), machine=machine.as_dict(), shape=shape.__dict__,
+                      systems=args.systems, repeats=args.repeats, output=args.output)
+    if "offline" not in report:
+        report["offline"] = run_offline(args, model, machine, shape)
+        report["ratios"] = ratio_table(report["offline"])
+        save(report, path)
+    if args.online and "online" not in report:
         import online
         report["online"] = online.sweep(args, model)
         report["online_markdown"] = online.markdown(report["online"])
-    if args.kernels:
+        save(report, path)
+    if args.kernels and "kernels" not in report:
         import attention_bench
         report["kernels"] = attention_bench.run(shape, repeats=max(args.repeats, 3))
         report["kernels_markdown"] = attention_bench.markdown(report["kernels"])
-    (args.out / f"{args.name}.json").write_text(json.dumps(report, indent=1))
-    (args.out / f"{args.name}.md").write_text(markdown(report))
-    chart(report, args.out / f"{args.name}.png")
-    print((args.out / f"{args.name}.md").read_text())
+        save(report, path)
+    print(path.with_suffix(".md").read_text())
+
+
+def save(report: dict, path: Path) -> None:
+    """After every phase: a later phase failing keeps what was measured (--resume)."""
+    path.write_text(json.dumps(report, indent=1))
+    path.with_suffix(".md").write_text(markdown(report))
+    chart(report, path.with_suffix(".png"))
 
 
 if __name__ == "__main__":

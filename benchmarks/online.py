@@ -72,10 +72,14 @@ async def _one(client, prompt: list[int], output: int, start_at: float) -> dict:
         model="bench", prompt=prompt, max_tokens=output, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
     async for chunk in stream:
-        if chunk.choices and chunk.choices[0].text:
+        # Every chunk with a choice is a step's tokens, even when they detokenize to nothing
+        # yet (random weights emit partial UTF-8 sequences); the usage chunk closes.
+        if chunk.choices:
             stamps.append(time.perf_counter())
         if chunk.usage:
             tokens = chunk.usage.completion_tokens
+    if not stamps:
+        raise RuntimeError(f"a stream ended without a token (usage: {tokens} tokens)")
     e2e = stamps[-1] - t0
     return dict(ttft=stamps[0] - t0, e2e=e2e, tokens=tokens,
                 tpot=(e2e - (stamps[0] - t0)) / max(1, tokens - 1),
