@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -70,10 +71,27 @@ def tiny_llama(checkpoints) -> Path:
     return checkpoints["llama"]
 
 
+_PORTS_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range. A server binds its port only after
+    its engine is up, tens of seconds later; a port from the ephemeral range can be taken
+    in between (seen: by a socket of another server's engine), one below it cannot."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    rng = random.Random()
+    while True:
+        port = rng.randrange(10000, ephemeral_low)
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
 
 
 class RunningServer:
