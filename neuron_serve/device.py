@@ -69,7 +69,7 @@ class Device:
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         """Per-device rewrites of a loaded model. Emulated: linear layers on oneDNN with
-        prepacked weights (2-3x aten's CPU GEMM at every step size)."""
+        prepacked weights (3-4.6x aten's CPU GEMM at decode sizes, 2.3-2.9x at 256 rows)."""
         if self.packed_linear:
             from neuron_serve.model_runner import packed_linear
             count = packed_linear.pack_linear_layers(model)
