@@ -4,9 +4,9 @@ aten's CPU GEMM re-packs the weight on every call and streams it at 10-20 GB/s a
 sizes: on the SmolLM2 shape, 30 layers' gate_up take 20.5 ms at 8 rows through aten and
 4.9 ms through a oneDNN matmul on a prepacked weight, 175 vs 60 ms at 256 rows
 (benchmarks/linear_bench.py, results/linear_kernels-smollm2-135m.md). vLLM's CPU
-extension builds those matmuls (`create_onednn_mm_handler`); the handle is a tensor buffer of the layer, so a compiled
-graph reads it at run time and holds no pointer, and the cached graphs stay free of
-weights and process state.
+extension builds those matmuls (`create_onednn_mm_handler`); the handle is a tensor buffer
+of the layer, so a compiled graph reads it at run time and holds no pointer, and the
+cached graphs stay free of weights and process state.
 """
 
 from __future__ import annotations
