@@ -104,10 +104,14 @@ def offline_row(system: str, batch: int, prompt: int, output: int, tps: list[flo
                 share_of_limit=median * limit_s / (batch * output))
 
 
-def rerender(path: Path) -> None:
+def rerender(path: Path, remeasure: bool = False) -> None:
     """Recompute limits and ratios of a saved run (e.g. after a fix to the limit model) and
-    rewrite its markdown and chart; the measurements are kept as they are."""
+    rewrite its markdown and chart; the measurements are kept as they are. `remeasure`
+    first measures the machine again (after a fix to hardware.measure), and says so."""
     report = json.loads(path.read_text())
+    if remeasure:
+        report["machine"] = hardware.measure().as_dict()
+        report["remeasured"] = time.strftime("%Y-%m-%d %H:%M")
     shape, machine = hardware.ModelShape(**report["shape"]), hardware.Machine(**report["machine"])
     report["offline"] = [offline_row(r["system"], r["batch"], r["prompt"], r["output"], r["samples"],
                                      shape, machine) for r in report["offline"]]
@@ -140,6 +144,8 @@ def markdown(report: dict) -> str:
              f"Command: `{report['command']}`  ",
              *([f"Resumed after a failure with: `{report['resumed']}`  "] if "resumed" in report else []),
              f"Date: {report['date']}  ",
+             *([f"Machine measured again after the run: {report['remeasured']}  "]
+               if "remeasured" in report else []),
              f"Machine: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}, ISA "
              f"{m['isa']} ({' '.join(m['flags'])}); measured read bandwidth "
              f"{m['read_gb_per_s']:.1f} GB/s, fp32 GEMM {m['fp32_gemm_gflop_per_s']:.0f} GFLOP/s", "",
@@ -221,9 +227,11 @@ def main() -> None:
                         help="add the phases missing from this run's saved report (after a failure)")
     parser.add_argument("--rerender", type=Path, metavar="JSON",
                         help="only rebuild the markdown and chart of a saved run")
+    parser.add_argument("--remeasure", action="store_true",
+                        help="with --rerender: measure the machine's limits again first")
     args = parser.parse_args()
     if args.rerender:
-        return rerender(args.rerender)
+        return rerender(args.rerender, args.remeasure)
     args.systems = args.systems.split(",")
     args.batches = [int(b) for b in args.batches.split(",")]
     args.prompts = [int(p) for p in args.prompts.split(",")]
