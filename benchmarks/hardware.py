@@ -48,7 +48,7 @@ def _cpu_facts() -> tuple[str, list[str]]:
 def _best_seconds(fn, repeats: int = 15) -> float:
     """The fastest of `repeats` runs: other work on a shared machine only ever slows a run
     down, so the best time is the closest to what the hardware can do (a median once read
-    38 GB/s where the best of the same machine reads 55)."""
+    38 GB/s where the best of 60 runs read 50 on the same machine)."""
     fn()  # warm
     times = []
     for _ in range(repeats):
