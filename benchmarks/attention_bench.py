@@ -38,13 +38,32 @@ def _case(shape, context: int, q_len: int, reqs: int, seed: int = 0):
     return query, kv, block_table, token_req, token_pos
 
 
+def _query_tiles(q_len: int, reqs: int, num_blocks: int):
+    """The query tiles the step graph gives a multi-token step (None for decodes)."""
+    import numpy as np
+
+    from neuron_serve.attention.kernels import QueryTiles
+    from neuron_serve.model_runner import query_tiles
+    from neuron_serve.model_runner.buckets import QUERY_TILE, Bucket
+
+    if q_len == 1:
+        return None
+    bucket = Bucket(q_len * reqs, reqs, num_blocks, QUERY_TILE)
+    packed = query_tiles.pack(np.full(reqs, q_len), bucket)
+    single = np.zeros(bucket.single_token_slots, dtype=np.int64)  # padded, as in the step
+    single[: len(packed["single_token"])] = packed["single_token"]
+    return QueryTiles(*(torch.from_numpy(a) for a in (packed["tile_token"], packed["tile_req"],
+                                                      single, packed["token_slot"])))
+
+
 def _ours(shape, case):
     from neuron_serve.attention.kernels import ragged_paged_attention
 
     query, kv, block_table, token_req, token_pos = case
+    tiles = _query_tiles(len(token_req) // len(block_table), len(block_table), block_table.shape[1])
     fn = torch.compile(ragged_paged_attention, fullgraph=True, dynamic=False)
     scale = shape.head_dim ** -0.5
-    return lambda: fn(query, kv, block_table, token_req, token_pos, scale)
+    return lambda: fn(query, kv, block_table, token_req, token_pos, scale, tiles=tiles)
 
 
 def _vllm(shape, case, context: int, q_len: int, reqs: int):

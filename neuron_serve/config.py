@@ -47,7 +47,7 @@ class NeuronConfig:
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, tuple(value))  # noqa: E731
-        set_("token_buckets", self.token_buckets or bk.default_token_buckets(self.max_num_batched_tokens))
+        set_("token_buckets", self.token_buckets or bk.default_token_buckets(self.max_num_batched_tokens, self.max_num_seqs))
         set_("request_buckets", self.request_buckets or bk.default_request_buckets(self.max_num_seqs))
         set_("block_buckets", self.block_buckets or bk.default_block_buckets(self.max_blocks_per_seq))
         self._validate()
@@ -92,16 +92,15 @@ class NeuronConfig:
               "--max-model-len")
 
     def attention_scratch_bytes(self, kv_shape: tuple[int, int, int]) -> int:
-        """Peak gather of the reference kernel over the grid: each token's whole context,
-        t × b × block_size × KV heads × (K + V), in fp32."""
+        """Peak gather of the reference kernel over the grid: a whole context per single
+        token and per query tile, × b × block_size × KV heads × (K + V), in fp32."""
         num_kv_heads, head_size, dtype_bytes = kv_shape
-        worst = max(self.grid, key=lambda b: b.num_tokens * b.num_blocks)
-        return (worst.num_tokens * worst.num_blocks * self.block_size * num_kv_heads
-                * 2 * head_size * max(dtype_bytes, 4))
+        worst = max(self.grid, key=_gathered_blocks)
+        return _gathered_blocks(worst) * self.block_size * num_kv_heads * 2 * head_size * max(dtype_bytes, 4)
 
     def check_attention_scratch(self, kv_shape: tuple[int, int, int]) -> None:
         scratch = self.attention_scratch_bytes(kv_shape)
-        worst = max(self.grid, key=lambda b: b.num_tokens * b.num_blocks)
+        worst = max(self.grid, key=_gathered_blocks)
         _need(scratch <= self.max_attention_scratch_gb * 2**30,
               f"bucket {worst} needs {scratch / 2**30:.1f} GiB of attention scratch, above "
               f"neuron.max_attention_scratch_gb={self.max_attention_scratch_gb}: lower "
@@ -135,6 +134,10 @@ class NeuronConfig:
             **({"max_attention_scratch_gb": float(extra["max_attention_scratch_gb"])}
                if "max_attention_scratch_gb" in extra else {}),
         )
+
+
+def _gathered_blocks(bucket: bk.Bucket) -> int:
+    return (bucket.single_token_slots + bucket.num_tiles) * bucket.num_blocks
 
 
 def _need(ok: bool, message: str) -> None:

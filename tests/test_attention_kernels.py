@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from neuron_serve.attention.kernels import ragged_paged_attention, write_kv
+from neuron_serve.attention.kernels import QueryTiles, ragged_paged_attention, write_kv
 
 
 def naive_attention(q, k, v, pos, scale, window=None, soft_cap=None):
@@ -122,6 +122,65 @@ def test_compiled_kernel_matches_naive_attention(heads, window, soft_cap):
         1, [40, 12, 7], [8, 1, 7], num_heads, num_kv_heads, 16, 16)
     fn = torch.compile(ragged_paged_attention, fullgraph=True, dynamic=False, backend="inductor")
     out = fn(query, kv_cache, table, req_of, pos_of, 0.25, window, soft_cap)
+    expected = torch.stack([naive_attention(query[t], *dense[req_of[t]], int(pos_of[t]), 0.25,
+                                            window, soft_cap) for t in range(n)])
+    torch.testing.assert_close(out[:n], expected, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(out).all()
+
+
+TILED_CASES = [  # seq_lens, query_lens: whole tiles, leftovers in tiles and as single tokens
+    ([40, 12, 7], [8, 1, 7]),
+    ([64, 3, 29, 50], [64, 1, 5, 1]),
+    ([20, 19, 18, 30], [19, 18, 17, 3]),
+]
+
+
+def tiled_case(seed, seq_lens, query_lens, heads, block_size, query_tile):
+    """make_case's step packed into the smallest tiled bucket that its tiles can hold."""
+    import numpy as np
+
+    from neuron_serve.model_runner import query_tiles
+    from neuron_serve.model_runner.buckets import Bucket
+
+    num_heads, num_kv_heads = heads
+    case = make_case(seed, seq_lens, query_lens, num_heads, num_kv_heads, 16, block_size)
+    num_scheduled = np.array(query_lens)
+    n = case[-1]
+    for num_tokens in range(n + 3, 4 * n):  # the case's 3 padding tokens, then more
+        bucket = Bucket(num_tokens, len(seq_lens), case[2].shape[1], query_tile)
+        if query_tiles.fits(num_scheduled, bucket):
+            break
+    arrays = query_tiles.pack(num_scheduled, bucket)
+    used = {name: len(a) for name, a in arrays.items()}
+
+    def padded(name, *shape):
+        out = torch.zeros(shape, dtype=torch.long)
+        out[: used[name]] = torch.from_numpy(arrays[name])
+        return out
+
+    tiles = QueryTiles(padded("tile_token", bucket.num_tiles, query_tile), padded("tile_req", bucket.num_tiles),
+                       padded("single_token", bucket.single_token_slots), padded("token_slot", num_tokens))
+    query, kv_cache, table, req_of, pos_of, dense, _ = case
+    extra = num_tokens - len(req_of)  # more padding tokens: request 0, position 0
+    query = torch.cat([query, torch.randn(extra, *query.shape[1:])])
+    req_of, pos_of = (torch.cat([x, torch.zeros(extra, dtype=torch.long)]) for x in (req_of, pos_of))
+    return (query, kv_cache, table, req_of, pos_of), tiles, used, dense, n
+
+
+@pytest.mark.parametrize("seq_lens,query_lens", TILED_CASES)
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (6, None), (None, 5.0)])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_query_tiled_attention_matches_naive_attention(seq_lens, query_lens, heads, window,
+                                                       soft_cap, compiled):
+    args, tiles, used, dense, n = tiled_case(2, seq_lens, query_lens, heads, 16, query_tile=8)
+    assert used["tile_req"] > 0 and used["single_token"] > 0  # both paths carry real tokens
+    fn = ragged_paged_attention
+    if compiled:
+        torch._dynamo.reset()  # each case is a new shape: stay under dynamo's recompile limit
+        fn = torch.compile(fn, fullgraph=True, dynamic=False, backend="inductor")
+    out = fn(*args, 0.25, window, soft_cap, tiles)
+    query, _, _, req_of, pos_of = args
     expected = torch.stack([naive_attention(query[t], *dense[req_of[t]], int(pos_of[t]), 0.25,
                                             window, soft_cap) for t in range(n)])
     torch.testing.assert_close(out[:n], expected, rtol=1e-5, atol=1e-5)

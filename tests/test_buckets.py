@@ -23,23 +23,38 @@ def make(**kw) -> NeuronConfig:
 
 def test_default_grid_is_small_and_covers_the_engine_limits():
     cfg = make()
-    assert cfg.token_buckets == (64, 256)
+    assert cfg.token_buckets == (96, 160, 256)  # 64- and 128-token chunks beside 16 decodes
     assert cfg.request_buckets == (1, 4, 16)
     assert cfg.block_buckets == (8, 32)
-    assert len(cfg.grid) == 10
-    biggest = max(cfg.grid, key=lambda b: b.cost)
-    assert biggest == Bucket(256, 16, 32)
+    assert len(cfg.grid) == 13  # 3 decode + 3 mixed buckets per block bucket, 1 untiled
+    assert cfg.grid[-1] == Bucket(256, 16, 32)  # the untiled one, last: it holds any step
+    assert max(cfg.grid[:-1], key=lambda b: b.cost) == Bucket(256, 16, 32, query_tile=32)
 
 
 @pytest.mark.parametrize("step,expected", [
     ((1, 1, 3), Bucket(1, 1, 8)),        # single decode, short context
     ((3, 3, 9), Bucket(4, 4, 32)),       # three decodes, one long context
     ((16, 16, 8), Bucket(16, 16, 8)),    # full decode batch
-    ((17, 2, 1), Bucket(64, 16, 8)),     # a prefill chunk with a decode
-    ((256, 16, 32), Bucket(256, 16, 32)),
+    ((17, 2, 1), Bucket(96, 16, 8, 32)),  # a prefill chunk with a decode
+    ((256, 16, 32), Bucket(256, 16, 32, 32)),
 ])
 def test_select_picks_the_cheapest_bucket_that_holds_the_step(step, expected):
     assert select(list(make().grid), *step) == expected
+
+
+@pytest.mark.parametrize("num_scheduled,expected", [
+    ([40, 1, 1], Bucket(96, 16, 8, 32)),  # one whole tile, the leftover 8 in another
+    ([20, 20, 20, 20], Bucket(160, 16, 8, 32)),  # 4 leftovers of 20: 3 tiles at 96 tokens, 5 at 160
+    ([17] * 15, Bucket(256, 16, 8)),  # 15 leftovers of 17: 8 tiled, 119 tokens left > 16 slots
+])
+def test_a_step_its_tiles_cannot_pack_moves_to_a_larger_bucket(num_scheduled, expected):
+    import numpy as np
+
+    from neuron_serve.model_runner import query_tiles
+    num_scheduled = np.array(num_scheduled)
+    step = (int(num_scheduled.sum()), len(num_scheduled), 8)
+    grid = list(make(block_buckets=(8,), max_model_len=256).grid)
+    assert select(grid, *step, lambda b: query_tiles.fits(num_scheduled, b)) == expected
 
 
 def test_select_explains_a_step_no_bucket_holds():
@@ -119,24 +134,24 @@ def test_suggest_finds_the_known_optimum_of_a_two_length_trace(tmp_path):
     is the only choice without prefill padding, and nothing in the budget pads less."""
     rows = [(96, 32)] * 30 + [(256, 32)] * 10
     d = demand(rows, max_num_batched_tokens=256, block_size=32, max_model_len=512)
-    plan = suggest(d, request_buckets=[1, 4], max_graphs=8, max_num_batched_tokens=256,
+    plan = suggest(d, request_buckets=[1, 4], max_graphs=9, max_num_batched_tokens=256,
                    max_blocks=16, block_size=32)
     assert plan.token_buckets == [96, 256]
-    assert plan.num_graphs <= 8
+    assert plan.num_graphs <= 9
     default = evaluate(d, [64, 256], [1, 4], [8, 16], block_size=32)
     assert plan.padded_tokens < default.padded_tokens
-    # Exhaustive check of the whole search: no 8-graph set pads less.
+    # Exhaustive check of the whole search: no 9-graph set (8 + the untiled one) pads less.
     best = min(evaluate(d, [*t, 256], [1, 4], [*b, 16], 32).padded_tokens
                for nt in range(2) for t in itertools.combinations(range(1, 256), nt)
                for nb in range(3) for b in itertools.combinations(range(1, 16), nb)
-               if (2 + nt + 1) * (nb + 1) <= 8)
+               if (2 + nt + 1) * (nb + 1) + 1 <= 9)
     assert plan.padded_tokens == best
 
 
 def test_suggest_command_prints_default_and_proposal_waste(tmp_path):
     trace = write_trace(tmp_path / "trace.jsonl", [(96, 32)] * 30 + [(256, 32)] * 10)
     out = subprocess.run([str(VENV_BIN / "neuron-serve"), "buckets", "suggest", "--trace", trace,
-                          "--max-graphs", "8", "--max-num-seqs", "4", "--max-num-batched-tokens",
+                          "--max-graphs", "9", "--max-num-seqs", "4", "--max-num-batched-tokens",
                           "256", "--max-model-len", "512"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()

@@ -2,6 +2,7 @@
 sampling parameters. One compiled engine on the tiny Llama serves the module."""
 
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -31,6 +32,23 @@ def test_compiled_matches_transformers_without_recompiling(llm, tiny_llama):
     for size in (1, 2, 3):
         greedy(llm, batch[:size], n=3)
     assert compiles_after_warmup(llm) == 0
+
+
+def bucket_steps(llm) -> Counter:
+    return sum((Counter(s["bucket_steps"]) for s in llm.collective_rpc("graph_stats")), Counter())
+
+
+def test_a_step_its_query_tiles_cannot_pack_runs_untiled_and_matches_transformers(llm, tiny_llama):
+    """Four 17-token prompts fill one 64-token step: its 2 query tiles take two of them, the
+    other 34 tokens exceed its 4 single-token slots, so the step runs in the untiled bucket
+    (the widest: 16 blocks); the next step (3 decodes, the last 4 prompt tokens) fits the tiled one."""
+    gen = torch.Generator().manual_seed(1)
+    batch = [[1] + torch.randint(10, 1000, (16,), generator=gen).tolist() for _ in range(4)]
+    before = bucket_steps(llm)
+    for prompt, out in zip(batch, greedy(llm, batch)):
+        assert list(out.outputs[0].token_ids) == hf_greedy(tiny_llama, prompt)
+    ran = bucket_steps(llm) - before
+    assert ran["t64-r4-b16"] == 1 and ran["t64-r4-b4-q32"] == 1, ran
 
 
 def test_prefix_cache_hit_gives_the_same_tokens(llm, tiny_llama):

@@ -29,6 +29,7 @@ class NeuronAttentionMetadata:
     token_req: torch.Tensor  # [t] int64 row of block_table each token belongs to
     token_pos: torch.Tensor  # [t] int64 position of each token within its request
     block_table: torch.Tensor  # [r, b] int64 block ids per request, null-padded
+    tiles: kernels.QueryTiles | None = None  # tiled buckets only
 
 
 class NeuronAttentionBackend(AttentionBackend):
@@ -98,6 +99,6 @@ class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
         self.kernels.write_kv(kv_cache, key, value, md.slot_mapping)
         out = self.kernels.ragged_paged_attention(
             query, kv_cache, md.block_table, md.token_req, md.token_pos, self.scale,
-            self.sliding_window, self.logits_soft_cap)
+            self.sliding_window, self.logits_soft_cap, md.tiles)
         output.copy_(out.view_as(output))
         return output

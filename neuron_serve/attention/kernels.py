@@ -18,6 +18,16 @@ from dataclasses import dataclass
 import torch
 
 
+@dataclass
+class QueryTiles:
+    """A step's tokens packed into query tiles (neuron_serve.model_runner.query_tiles)."""
+
+    tile_token: torch.Tensor  # [n, q] int64 token of each tile row (padding rows: 0)
+    tile_req: torch.Tensor  # [n] int64 block_table row of each tile
+    single_token: torch.Tensor  # [s] int64 tokens attending on their own
+    token_slot: torch.Tensor  # [T] int64 row of each token in cat(single outputs, tile rows)
+
+
 @dataclass(frozen=True)
 class KernelSet:
     write_kv: Callable[..., None]
@@ -42,7 +52,8 @@ def ragged_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                            block_table: torch.Tensor, token_req: torch.Tensor,
                            token_pos: torch.Tensor, scale: float,
                            sliding_window: int | None = None,
-                           soft_cap: float | None = None) -> torch.Tensor:
+                           soft_cap: float | None = None,
+                           tiles: QueryTiles | None = None) -> torch.Tensor:
     """Causal attention of a flat ragged batch over the paged KV cache.
 
     Token t belongs to request token_req[t] and sits at position token_pos[t]; it attends
@@ -56,9 +67,24 @@ def ragged_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
         block_table: [R, B] block ids of each request's context, in order.
         token_req: [T] row of block_table for each token.
         token_pos: [T] position of each token in its request.
+        tiles: the step's tokens packed into query tiles (QueryTiles), or None: every
+            token attends on its own.
     Returns:
         [T, H, D] attention output.
     """
+    if tiles is None:
+        return _attend_tokens(query, kv_cache, block_table, token_req, token_pos, scale,
+                              sliding_window, soft_cap)
+    single = tiles.single_token
+    outputs = [_attend_tokens(query[single], kv_cache, block_table, token_req[single],
+                              token_pos[single], scale, sliding_window, soft_cap),
+               _attend_tiles(query, kv_cache, block_table, token_pos, tiles, scale,
+                             sliding_window, soft_cap)]
+    return torch.cat(outputs)[tiles.token_slot]
+
+
+def _attend_tokens(query, kv_cache, block_table, token_req, token_pos, scale, sliding_window,
+                   soft_cap):
     num_tokens, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = kv_cache.shape
     ctx = kv_cache[block_table[token_req]]  # [T, B, block_size, H_kv, 2D]
@@ -91,6 +117,34 @@ def _fused_attention(q, key, value, visible, scale, soft_cap):
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
     probs = torch.softmax(scores.flatten(-2), dim=-1).view_as(scores)
     return (probs[..., None] * value).sum((-3, -2))  # [T, H_kv, G, D]
+
+
+def _attend_tiles(query, kv_cache, block_table, token_pos, tiles, scale, sliding_window,
+                  soft_cap):
+    """Each tile's rows (one request's consecutive tokens) against that request's context,
+    gathered once per tile: two batched matmuls, [n, H_kv, q·G, D] × [n, H_kv, D, B·bs]."""
+    num_tiles, rows = tiles.tile_token.shape
+    _, num_heads, head_size = query.shape
+    _, block_size, num_kv_heads, _ = kv_cache.shape
+    group = num_heads // num_kv_heads
+    ctx = kv_cache[block_table[tiles.tile_req]].float()  # [n, B, bs, H_kv, 2D]
+    ctx = ctx.permute(0, 3, 1, 2, 4).flatten(2, 3)  # [n, H_kv, C, 2D]
+    key, value = ctx[..., :head_size], ctx[..., head_size:]
+    q = query[tiles.tile_token].float().view(num_tiles, rows, num_kv_heads, group, head_size)
+    q = q.permute(0, 2, 1, 3, 4).reshape(num_tiles, num_kv_heads, rows * group, head_size)
+    scores = (q @ key.transpose(-1, -2)) * scale  # [n, H_kv, q·G, C]
+    if soft_cap:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    pos = token_pos[tiles.tile_token][:, :, None]  # [n, q, 1]
+    ctx_pos = torch.arange(key.shape[2], device=query.device)
+    visible = ctx_pos <= pos
+    if sliding_window:
+        visible = visible & (ctx_pos > pos - sliding_window)
+    scores = scores.view(num_tiles, num_kv_heads, rows, group, -1)
+    scores = scores.masked_fill(~visible[:, None, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(num_tiles, num_kv_heads, rows * group, -1)
+    out = (probs @ value).view(num_tiles, num_kv_heads, rows, group, head_size)
+    return out.permute(0, 2, 1, 3, 4).reshape(num_tiles * rows, num_heads, head_size).to(query.dtype)
 
 
 def _matmul_attention(q, key, value, visible, scale, soft_cap):

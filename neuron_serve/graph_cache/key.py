@@ -58,7 +58,7 @@ def graph_key(vllm_config, bucket: Bucket, num_blocks: int, compile_options: dic
         "dtype": str(model.dtype),
         "kv_cache_dtype": str(vllm_config.cache_config.cache_dtype),
         "model_impl": str(model.model_impl),
-        "bucket": [bucket.num_tokens, bucket.num_reqs, bucket.num_blocks],
+        "bucket": [bucket.num_tokens, bucket.num_reqs, bucket.num_blocks, bucket.query_tile],
         "kv_cache": [num_blocks, vllm_config.cache_config.block_size],
         "tensor_parallel": [parallel.rank, parallel.tensor_parallel_size],
         "compile": compile_options,

@@ -10,7 +10,8 @@ Padding model (per request, as if it ran alone; the trace says nothing of concur
     context length n reads the smallest block bucket B ≥ ⌈n / block_size⌉ blocks, wasting
     B · block_size - n context tokens.
 The request buckets are kept (they depend on concurrency). The grid has
-(|request buckets| + |token buckets|) × |block buckets| graphs, so the search tries every
+(|request buckets| + |token buckets|) × |block buckets| graphs plus the untiled one
+(neuron_serve.model_runner.buckets), so the search tries every
 split of the budget between the two axes and solves each axis exactly by dynamic
 programming over the observed lengths (the largest bucket stays at the engine limit).
 """
@@ -149,9 +150,10 @@ def _block_rounding(d: Demand, block_size: int) -> int:
 def suggest(d: Demand, request_buckets: list[int], max_graphs: int, max_num_batched_tokens: int,
             max_blocks: int, block_size: int) -> Plan:
     r = len(request_buckets)
+    budget = max_graphs - 1  # the untiled bucket
     best = None
-    for k_blocks in range(1, max_graphs // (r + 1) + 1):
-        k_tokens = max_graphs // k_blocks - r
+    for k_blocks in range(1, budget // (r + 1) + 1):
+        k_tokens = budget // k_blocks - r
         if k_tokens < 1:
             break
         tokens, _ = best_buckets(d.chunk_tokens, k_tokens, max_num_batched_tokens)
@@ -161,7 +163,7 @@ def suggest(d: Demand, request_buckets: list[int], max_graphs: int, max_num_batc
             best = plan
     if best is None:
         raise ValueError(f"--max-graphs {max_graphs} cannot hold even one token bucket and one "
-                         f"block bucket next to {r} request buckets; the least is {r + 1}")
+                         f"block bucket next to {r} request buckets; the least is {r + 2}")
     return best
 
 
@@ -174,7 +176,7 @@ def run_suggest(args) -> int:
     requests = args.request_buckets or bk.default_request_buckets(args.max_num_seqs)
     d = demand(read_trace(args.trace), args.max_num_batched_tokens, args.block_size,
                args.max_model_len)
-    default = evaluate(d, bk.default_token_buckets(args.max_num_batched_tokens), requests,
+    default = evaluate(d, bk.default_token_buckets(args.max_num_batched_tokens, args.max_num_seqs), requests,
                        bk.default_block_buckets(max_blocks), args.block_size)
     proposal = suggest(d, requests, args.max_graphs, args.max_num_batched_tokens, max_blocks,
                        args.block_size)

@@ -9,13 +9,22 @@ such `Bucket`. The grid holds two kinds of buckets:
                                   hold min(t, max_num_seqs) requests
 
 each for every width b in block_buckets. A step runs in the cheapest bucket that holds it.
+
+Mixed buckets attend in query tiles (neuron_serve.model_runner.query_tiles): t / QUERY_TILE
+tiles of one request's consecutive tokens each, plus r slots for single tokens, so a step
+whose tokens cannot be packed that way (many short chunks) does not fit them. One untiled
+bucket at the largest shape, last in the grid, holds any step.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+
+QUERY_TILE = 32  # query rows of one attention tile (benchmarks/attention_bench.py: 16 → 32 → 64
+                 # rows, a 256-token prefill 1.5 → 1.2 → 1.1 ms; smaller tiles pack short chunks)
 
 
 @dataclass(frozen=True, order=True)
@@ -23,10 +32,20 @@ class Bucket:
     num_tokens: int
     num_reqs: int
     num_blocks: int  # block-table width: the longest context it holds, in blocks
+    query_tile: int = 0  # rows per query tile; 0: every token attends on its own
 
     def holds(self, num_tokens: int, num_reqs: int, num_blocks: int) -> bool:
         return (num_tokens <= self.num_tokens and num_reqs <= self.num_reqs
                 and num_blocks <= self.num_blocks)
+
+    @property
+    def num_tiles(self) -> int:
+        return self.num_tokens // self.query_tile if self.query_tile else 0
+
+    @property
+    def single_token_slots(self) -> int:
+        """Tokens attending on their own: one per request when tiled, else all."""
+        return self.num_reqs if self.query_tile else self.num_tokens
 
     @property
     def cost(self) -> int:
@@ -35,7 +54,8 @@ class Bucket:
         return self.num_tokens * (1 + self.num_blocks)
 
     def __str__(self) -> str:
-        return f"t{self.num_tokens}-r{self.num_reqs}-b{self.num_blocks}"
+        tiles = f"-q{self.query_tile}" if self.query_tile else ""
+        return f"t{self.num_tokens}-r{self.num_reqs}-b{self.num_blocks}{tiles}"
 
 
 def powers_of_two(lo: int, hi: int, stride: int = 1) -> list[int]:
@@ -47,8 +67,14 @@ def powers_of_two(lo: int, hi: int, stride: int = 1) -> list[int]:
     return out + [hi]
 
 
-def default_token_buckets(max_num_batched_tokens: int) -> list[int]:
-    return powers_of_two(min(64, max_num_batched_tokens), max_num_batched_tokens, stride=2)
+def default_token_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> list[int]:
+    """A prefill chunk of 64, 128, 256, ... tokens beside a decode of every running request
+    (vLLM schedules both in one step), rounded up to 32 tokens; then the engine limit.
+    Without the decodes' room a 128-token prompt arriving during decodes pads to 256
+    (benchmarks/online.py: TTFT p50 227 ms with buckets [64, 256], 162 ms with [64, 160, 256])."""
+    chunks = powers_of_two(min(64, max_num_batched_tokens), max_num_batched_tokens)[:-1]
+    return sorted({min(max_num_batched_tokens, -(-(c + max_num_seqs) // 32) * 32) for c in chunks}
+                  | {max_num_batched_tokens})
 
 
 def default_request_buckets(max_num_seqs: int) -> list[int]:
@@ -64,7 +90,7 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 
 def build_grid(token_buckets: list[int], request_buckets: list[int], block_buckets: list[int],
-               max_num_seqs: int) -> list[Bucket]:
+               max_num_seqs: int, query_tile: int = QUERY_TILE) -> list[Bucket]:
     grid = set()
     for b in block_buckets:
         for r in request_buckets:
@@ -72,15 +98,23 @@ def build_grid(token_buckets: list[int], request_buckets: list[int], block_bucke
         for t in token_buckets:
             r = next((rb for rb in request_buckets if rb >= min(t, max_num_seqs)),
                      request_buckets[-1])
-            grid.add(Bucket(t, r, b))
-    return sorted(grid, key=lambda bk: (bk.cost, bk))
+            tiled = query_tile if r < t and t >= query_tile > 0 else 0
+            grid.add(Bucket(t, r, b, tiled))
+    grid = sorted(grid, key=lambda bk: (bk.cost, bk))
+    largest = max(grid, key=lambda bk: (bk.num_tokens, bk.num_reqs, bk.num_blocks))
+    if largest.query_tile:
+        grid.append(Bucket(largest.num_tokens, largest.num_reqs, largest.num_blocks))
+    return grid
 
 
-def select(grid: Sequence[Bucket], num_tokens: int, num_reqs: int, num_blocks: int) -> Bucket:
-    """The cheapest bucket that holds the step; raises if none does (a planning bug:
-    the largest buckets are sized from the engine's own limits)."""
+def select(grid: Sequence[Bucket], num_tokens: int, num_reqs: int, num_blocks: int,
+           fits_tiles: Callable[[Bucket], bool] = lambda bucket: True) -> Bucket:
+    """The cheapest bucket that holds the step (and, if tiled, whose tiles can pack it);
+    raises if none does (a planning bug: the largest buckets are sized from the engine's
+    own limits)."""
     for bucket in grid:  # sorted by cost
-        if bucket.holds(num_tokens, num_reqs, num_blocks):
+        if bucket.holds(num_tokens, num_reqs, num_blocks) and (
+                not bucket.query_tile or fits_tiles(bucket)):
             return bucket
     raise ValueError(f"no bucket holds {num_tokens} tokens / {num_reqs} requests / "
                      f"{num_blocks} blocks; largest: {max(grid, key=lambda b: b.cost)}")

@@ -24,7 +24,10 @@ import numpy as np
 import torch
 
 from neuron_serve.attention.backend import NeuronAttentionMetadata
+from neuron_serve.attention.kernels import QueryTiles
+from neuron_serve.model_runner import query_tiles
 from neuron_serve.model_runner.buckets import Bucket, blocks_needed, select
+
 
 class BucketBuffers:
     """Persistent input tensors of one bucket, plus its attention metadata."""
@@ -36,16 +39,20 @@ class BucketBuffers:
         self.input_ids, self.positions, self.slot_mapping, self.token_req = (zeros(t) for _ in range(4))
         self.block_table = zeros(r, b)
         self.logits_indices = zeros(r)
+        self.tiles = QueryTiles(zeros(bucket.num_tiles, bucket.query_tile), zeros(bucket.num_tiles),
+                                zeros(r), zeros(t)) if bucket.query_tile else None
         self.attn_metadata = NeuronAttentionMetadata(
             slot_mapping=self.slot_mapping, token_req=self.token_req,
-            token_pos=self.positions, block_table=self.block_table)
+            token_pos=self.positions, block_table=self.block_table, tiles=self.tiles)
 
     NAMES = ("input_ids", "positions", "slot_mapping", "token_req", "block_table", "logits_indices")
+    TILE_NAMES = ("tile_token", "tile_req", "single_token", "token_slot")
 
     def fill(self, arrays: dict[str, np.ndarray]) -> None:
-        """Copy the real part of each array in; zero the padding (null block, request 0)."""
-        for name in self.NAMES:
-            buf = getattr(self, name)
+        """Copy the real part of each array in; zero the padding (null block, request 0,
+        token 0)."""
+        for name in self.NAMES + (self.TILE_NAMES if self.tiles else ()):
+            buf = getattr(self.tiles if name in self.TILE_NAMES else self, name)
             buf.zero_()
             if name in arrays:
                 arr = arrays[name]
@@ -70,7 +77,8 @@ def plan_step(token_ids: np.ndarray, num_computed: np.ndarray, num_tokens_known:
     num_reqs = len(num_scheduled)
     seq_lens = num_computed + num_scheduled
     num_tokens = int(num_scheduled.sum())
-    bucket = select(grid, num_tokens, num_reqs, blocks_needed(int(seq_lens.max()), block_size))
+    bucket = select(grid, num_tokens, num_reqs, blocks_needed(int(seq_lens.max()), block_size),
+                    lambda b: query_tiles.fits(num_scheduled, b))
     token_req = np.repeat(np.arange(num_reqs), num_scheduled)
     ends = np.cumsum(num_scheduled)
     offsets = np.arange(num_tokens) - (ends - num_scheduled)[token_req]
@@ -84,5 +92,7 @@ def plan_step(token_ids: np.ndarray, num_computed: np.ndarray, num_tokens_known:
         "block_table": block_table[:num_reqs, : bucket.num_blocks],
         "logits_indices": ends - 1,
     }
+    if bucket.query_tile:
+        arrays.update(query_tiles.pack(num_scheduled, bucket))
     plan = StepPlan(bucket, num_reqs, num_tokens, partial_prefill=seq_lens < num_tokens_known)
     return plan, {k: v.astype(np.int64, copy=False) for k, v in arrays.items()}
