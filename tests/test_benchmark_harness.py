@@ -29,3 +29,25 @@ def test_compare_writes_json_markdown_and_chart(tiny_llama, tmp_path):
     table = (tmp_path / "smoke.md").read_text()
     assert "ours ÷ vLLM CPU" in table and "TTFT p50" in table and "Attention kernel" in table
     assert (tmp_path / "smoke.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_step_profile_splits_each_compiled_step_by_kernel_kind(tmp_path):
+    """benchmarks/step_profile.py's split of a trace: kernels fall in the graph call that
+    contains them; a call with tile matmuls is a mixed step."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from step_profile import split_steps, summarize
+
+    call = lambda ts, dur: {"name": "## Call CompiledFxGraph abc", "ts": ts, "dur": dur}  # noqa: E731
+    kernel = lambda name, ts, dur: {"name": name, "ts": ts, "dur": dur}  # noqa: E731
+    events = [call(0, 10_000), kernel("_C::onednn_mm", 100, 4000),
+              kernel("graph_0_cpp_fused__softmax_index_1", 5000, 3000),
+              kernel("graph_0_cpp_fused_add_mul_rsqrt_2", 8500, 500),
+              call(20_000, 30_000), kernel("_C::onednn_mm", 20_100, 12_000),
+              kernel("aten::bmm", 33_000, 6000), kernel("graph_0_cpp_fused__softmax_3", 40_000, 2000),
+              kernel("_C::onednn_mm", 60_000, 9000)]  # outside every call: not counted
+    (tmp_path / "t.json").write_text(json.dumps({"traceEvents": events}))
+    steps = split_steps(str(tmp_path / "t.json"))
+    assert [(s["ms"], s["matmul"], s["attention"], s["other"]) for s in steps] == [
+        (10.0, 4.0, 3.0, 0.5), (30.0, 12.0, 8.0, 0.0)]
+    rows = summarize(steps)
+    assert rows["decode"]["steps"] == 1 and rows["mixed"]["attention"] == 8.0

@@ -1,0 +1,124 @@
+"""Where a step's time goes on our platform: linear-layer matmuls, attention, the rest.
+
+    .venv/bin/python benchmarks/step_profile.py [--model smollm2-135m] [--batches 1,8,32]
+
+Runs our engine (compiled; graph cache off, so every graph is built with inductor's kernel
+profiling) with compare.py's engine settings, records one generate per batch size with the
+worker's step profiler, and splits every compiled step into oneDNN matmuls (the linear
+layers and the LM head), attention (our paged-attention kernels: inductor's fused softmax
+kernels and the query tiles' batched matmuls) and everything else. A step with tile
+matmuls is a mixed (prefill) step, one without a decode step. Prints a markdown table and
+writes it to benchmarks/results/step_profile-<model>.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+KINDS = ("matmul", "attention", "other")
+
+
+def classify(name: str) -> str | None:
+    if name == "_C::onednn_mm":
+        return "matmul"
+    if name == "aten::bmm":
+        return "tiles"
+    if name.startswith("graph_") and "cpp_fused" in name:
+        return "attention" if "softmax" in name else "other"
+    return None
+
+
+def split_steps(trace_path: str) -> list[dict]:
+    """Per compiled-graph call: its wall time and the time of each kind of kernel in it."""
+    events = json.loads(Path(trace_path).read_text())["traceEvents"]
+    calls = sorted((e for e in events if e.get("name", "").startswith("## Call CompiledFxGraph")),
+                   key=lambda e: e["ts"])
+    kernels = sorted((e["ts"], e["dur"], kind) for e in events if "dur" in e
+                     for kind in [classify(e.get("name", ""))] if kind)
+    steps, i = [], 0
+    for call in calls:
+        start, end = call["ts"], call["ts"] + call["dur"]
+        step = dict.fromkeys(("ms", *KINDS, "tiles"), 0.0)
+        step["ms"] = call["dur"] / 1000
+        while i < len(kernels) and kernels[i][0] < start:
+            i += 1
+        while i < len(kernels) and kernels[i][0] <= end:
+            _, dur, kind = kernels[i]
+            step[kind] += dur / 1000
+            i += 1
+        step["attention"] += step["tiles"]
+        steps.append(step)
+    return steps
+
+
+def summarize(steps: list[dict]) -> dict[str, dict]:
+    """Median step of each kind (decode: no query tiles; mixed: with them)."""
+    rows = {}
+    for kind, chosen in (("decode", [s for s in steps if not s["tiles"]]),
+                         ("mixed", [s for s in steps if s["tiles"]])):
+        if chosen:
+            rows[kind] = {"steps": len(chosen),
+                          **{k: statistics.median(s[k] for s in chosen) for k in ("ms", *KINDS)}}
+    return rows
+
+
+def markdown(model: str, results: dict[int, dict[str, dict]], prompt: int, output: int) -> str:
+    lines = [f"## Step profile, {model} shape (prompt {prompt}, output {output}; median step, ms)", "",
+             "`.venv/bin/python benchmarks/step_profile.py`: inductor's kernel profiler inside "
+             "our compiled steps.", "",
+             "| sequences | step | steps | step ms | matmuls | attention | other kernels | outside kernels |",
+             "|---|---|---|---|---|---|---|---|"]
+    for batch, rows in results.items():
+        for kind, r in rows.items():
+            rest = r["ms"] - sum(r[k] for k in KINDS)
+            lines.append(f"| {batch} | {kind} | {r['steps']} | {r['ms']:.1f} | {r['matmul']:.1f} | "
+                         f"{r['attention']:.1f} | {r['other']:.1f} | {rest:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--output", type=int, default=128)
+    args = parser.parse_args()
+    os.environ["NEURON_SERVE_DEVICE"] = "neuron"
+    os.environ["TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE"] = "1"
+    from shapes import checkpoint
+    from systems import prompts_for
+    from transformers import AutoConfig
+    from vllm import LLM, SamplingParams
+
+    batches = [int(b) for b in args.batches.split(",")]
+    model = checkpoint(args.model)
+    llm = LLM(model=str(model), dtype="float32", seed=0, max_model_len=1024,
+              max_num_seqs=max(batches), max_num_batched_tokens=256, kv_cache_memory_bytes=2 << 30,
+              enable_prefix_caching=False, additional_config={"neuron": {"cache_dir": "off"}})
+    params = SamplingParams(max_tokens=args.output, ignore_eos=True, temperature=0, detokenize=False)
+    vocab = AutoConfig.from_pretrained(model).vocab_size
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for batch in batches:
+            prompts = prompts_for({"batch": batch, "prompt": args.prompt, "seed": batch}, vocab)
+            requests = [{"prompt_token_ids": p} for p in prompts]
+            llm.generate(requests, params, use_tqdm=False)  # warm
+            llm.collective_rpc("start_step_profile", args=(tmp,))
+            llm.generate(requests, params, use_tqdm=False)
+            trace = llm.collective_rpc("stop_step_profile")[0]["trace"]
+            results[batch] = summarize(split_steps(trace))
+    text = markdown(args.model, results, args.prompt, args.output)
+    print(text)
+    (HERE / "results" / f"step_profile-{args.model}.md").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
