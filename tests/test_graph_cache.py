@@ -22,7 +22,7 @@ from neuron_serve.models.tiny import write_checkpoint
 
 pytestmark = pytest.mark.slow
 
-NUM_BUCKETS = 6  # TEST_BUCKETS: decode r1, r4 and mixed t64, each × block widths 4, 16
+NUM_BUCKETS = 7  # TEST_BUCKETS: decode r1, r4 and mixed t64, each × block widths 4, 16; untiled t64-r4-b16
 NEW_TOKENS = 10
 
 
