@@ -23,8 +23,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
-QUERY_TILE = 32  # query rows of one attention tile (benchmarks/attention_bench.py: 16 → 32 → 64
-                 # rows, a 256-token prefill 1.5 → 1.2 → 1.1 ms; smaller tiles pack short chunks)
+# Query rows of one attention tile. A prototype of the tile kernel on SmolLM2's heads, a
+# 256-token prefill over 256 positions: 16 / 32 / 64 rows took 1.5 / 1.2 / 1.1 ms per layer;
+# smaller tiles pack short chunks better.
+QUERY_TILE = 32
 
 
 @dataclass(frozen=True, order=True)
@@ -71,7 +73,8 @@ def default_token_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> lis
     """A prefill chunk of 64, 128, 256, ... tokens beside a decode of every running request
     (vLLM schedules both in one step), rounded up to 32 tokens; then the engine limit.
     Without the decodes' room a 128-token prompt arriving during decodes pads to 256
-    (benchmarks/online.py: TTFT p50 227 ms with buckets [64, 256], 162 ms with [64, 160, 256])."""
+    (benchmarks/online.py's load, 1 request/s, prompt 128: TTFT p50 227 ms with buckets
+    [64, 256], 162 ms with [64, 160, 256])."""
     chunks = powers_of_two(min(64, max_num_batched_tokens), max_num_batched_tokens)[:-1]
     return sorted({min(max_num_batched_tokens, -(-(c + max_num_seqs) // 32) * 32) for c in chunks}
                   | {max_num_batched_tokens})
