@@ -169,6 +169,9 @@ class StepGraphs:
             out = fn(self.model, buf.input_ids, buf.positions, buf.logits_indices)
         if out.shape[0] != bucket.num_reqs:
             raise RuntimeError(f"graph returned {tuple(out.shape)} logits for bucket {bucket}")
+        # The call above checked dynamo's guards; every later call passes the same model and
+        # the same persistent buffers, so re-checking them is 1.2 ms of a 15 ms decode step.
+        fn.disable_guard_check()
 
     def load_ready(self, buckets: Iterable[Bucket]) -> list[Bucket]:
         """Load whichever of `buckets` the cache now has (background compilation)."""
