@@ -2,11 +2,12 @@
 sampling parameters. One compiled engine on the tiny Llama serves the module."""
 
 import math
+import os
 from collections import Counter
 
 import pytest
 import torch
-from vllm import SamplingParams
+from vllm import SamplingParams, envs
 
 from test_parity import hf_greedy, hf_model, greedy, make_llm, prompts
 
@@ -15,7 +16,14 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama):
-    engine = make_llm(tiny_llama, enforce_eager=False)
+    """An in-process engine core: `generate` adds every request before the first step, so
+    which requests share a step never depends on when they reach another process."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        engine = make_llm(tiny_llama, enforce_eager=False)
+    finally:
+        del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
+        envs.disable_envs_cache()  # the engine core froze vLLM's env reads; later engines reread
     yield engine
     engine.llm_engine.engine_core.shutdown()
 
