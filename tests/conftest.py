@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -26,11 +27,21 @@ VENV_BIN = Path(sys.executable).parent
 # A first start compiles every graph: `make serve` is healthy after ~90 s on a 2-core AVX512
 # EPYC, but its 13 graphs took over 300 s on a 2-core AVX2 one. Below pytest's 900 s limit.
 SERVER_START_TIMEOUT_S = 600
-# Small bucket grid for tests: few graphs to compile, padding still exercised.
-TEST_BUCKETS = '{"neuron": {"token_buckets": [64], "request_buckets": [1, 4], "block_buckets": [4, 16]}}'
-TEST_ENGINE_FLAGS = ["--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
-                     "--dtype", "float32", "--kv-cache-memory-bytes", str(64 << 20),
-                     "--additional-config", TEST_BUCKETS]
+# Small bucket grid for tests, padding still exercised: 7 graphs (decode r1, r4 and tiled
+# t64, each × block widths 4, 16; untiled t64-r4-b16), shared by every tiny-Llama engine.
+TEST_BUCKETS = {"token_buckets": [64], "request_buckets": [1, 4], "block_buckets": [4, 16]}
+# 4 graphs (t1-r1-b16, t4-r4-b16, t64-r4-b16-q32, t64-r4-b16) where the block-width
+# buckets add nothing: other model families, cache scenarios that compile from empty.
+FEW_BUCKETS = {**TEST_BUCKETS, "block_buckets": [16]}
+
+
+def engine_flags(buckets: dict = TEST_BUCKETS) -> list[str]:
+    return ["--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
+            "--dtype", "float32", "--kv-cache-memory-bytes", str(64 << 20),
+            "--additional-config", json.dumps({"neuron": buckets})]
+
+
+TEST_ENGINE_FLAGS = engine_flags()
 
 
 FUZZ_CASES: Counter[str] = Counter()  # schemathesis cases generated (test_openapi_fuzz)

@@ -15,21 +15,22 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import TEST_ENGINE_FLAGS, VENV_BIN, free_port, RunningServer, start_server
+from conftest import FEW_BUCKETS, VENV_BIN, engine_flags, free_port, RunningServer, start_server
 from test_parity import hf_greedy, prompts
 
 from neuron_serve.models.tiny import write_checkpoint
 
 pytestmark = pytest.mark.slow
 
-NUM_BUCKETS = 7  # TEST_BUCKETS: decode r1, r4 and mixed t64, each × block widths 4, 16; untiled t64-r4-b16
+ENGINE_FLAGS = engine_flags(FEW_BUCKETS)  # each scenario compiles from empty: few graphs
+NUM_BUCKETS = 4
 NEW_TOKENS = 10
 
 
 def serve_cmd(model, port: int, cache_dir, *extra: str) -> list[str]:
     return [str(VENV_BIN / "neuron-serve"), "serve", str(model), "--port", str(port),
             "--served-model-name", "tiny", "--graph-cache-dir", str(cache_dir),
-            *TEST_ENGINE_FLAGS, *extra]
+            *ENGINE_FLAGS, *extra]
 
 
 def metrics(server) -> dict[str, float]:
@@ -81,7 +82,7 @@ def test_two_servers_racing_on_an_empty_directory_compile_each_graph_once(tiny_l
 
 def test_a_second_start_in_a_fresh_process_compiles_nothing(tiny_llama, shared_dir):
     out = subprocess.run([str(VENV_BIN / "neuron-serve"), "compile", str(tiny_llama),
-                          "--graph-cache-dir", str(shared_dir), *TEST_ENGINE_FLAGS],
+                          "--graph-cache-dir", str(shared_dir), *ENGINE_FLAGS],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"{NUM_BUCKETS}/{NUM_BUCKETS} graphs ready: {NUM_BUCKETS} loaded from the cache, " \
