@@ -29,7 +29,7 @@ sys.path.insert(0, str(HERE))
 
 import hardware  # noqa: E402
 from shapes import SHAPES, checkpoint  # noqa: E402
-from systems import SYSTEMS  # noqa: E402
+from systems import OTHER_SYSTEM_IDLE_S, SYSTEMS  # noqa: E402
 
 LABELS = {"neuron": "neuron-serve (emulated, compiled)", "vllm-cpu": "vLLM CPU backend",
           "transformers": "Transformers generate (static cache, compiled)"}
@@ -82,6 +82,7 @@ def run_offline(args, model: Path, machine: hardware.Machine, shape: hardware.Mo
         for rep in range(args.repeats):
             for job in jobs:
                 for proc in procs:  # the systems take turns, job by job
+                    time.sleep(OTHER_SYSTEM_IDLE_S)
                     r = proc.run(job)
                     samples[(proc.system, job["batch"], job["prompt"])].append(r["output_tokens"] / r["seconds"])
                     print(f"  rep {rep + 1} {proc.system:12s} seqs {job['batch']:3d} prompt "

@@ -18,6 +18,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from systems import OTHER_SYSTEM_IDLE_S
+
 VENV_BIN = Path(sys.executable).parent
 
 
@@ -120,12 +122,6 @@ def summarize(runs: list[dict]) -> dict:
                                                for run in runs))
 
 
-# vLLM's CPU worker spins (sched_yield) for 1 s after its last message before it sleeps
-# (shm_broadcast busy_loop_s): measured at once, the next server shares the 2 cores with
-# that spin (seen: our TPOT 60 ms instead of 1.5 ms on the tiny model).
-OTHER_SERVER_IDLE_S = 2.0
-
-
 def sweep(args, model: Path) -> list[dict]:
     from transformers import AutoConfig
 
@@ -145,7 +141,7 @@ def sweep(args, model: Path) -> list[dict]:
         for rep in range(args.repeats):
             for rate in args.online_rates_list:
                 for s in servers:  # alternate the servers rate by rate
-                    time.sleep(OTHER_SERVER_IDLE_S)
+                    time.sleep(OTHER_SYSTEM_IDLE_S)
                     run = asyncio.run(_load(s.base_url, rate, args.online_requests, args.prompts[0],
                                             args.output, vocab, seed=100 * rep + int(rate * 10)))
                     runs[(s.system, rate)].append(run)

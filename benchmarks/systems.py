@@ -20,6 +20,11 @@ import time
 from collections.abc import Callable
 
 SYSTEMS = ("neuron", "vllm-cpu", "transformers")
+# Pause before measuring a system while the others stay up: vLLM's CPU worker spins
+# (sched_yield) for 1 s after its last message before it sleeps (shm_broadcast busy_loop_s),
+# and the system measured next would share the 2 cores with that spin (seen: our server's
+# TPOT 60 ms instead of 2.9 ms on the tiny model).
+OTHER_SYSTEM_IDLE_S = 2.0
 Generate = Callable[[list[list[int]], int], int]  # prompts, output length → tokens generated
 
 
