@@ -55,8 +55,8 @@ def greedy(llm: LLM, batch: list[list[int]], n: int = NEW_TOKENS):
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_matches_transformers(checkpoints, family, mode):
-    """Llama's engine loads the graphs the tiny server compiled; the other families compile
-    a smaller grid (the block-width buckets are the same code for every family)."""
+    """Llama keeps the full grid, whose graphs every tiny-Llama engine of the session shares;
+    the other families compile a smaller one (block-width padding is family-independent)."""
     buckets = TEST_BUCKETS if family == "llama" else FEW_BUCKETS
     llm = make_llm(checkpoints[family], enforce_eager=mode == "eager",
                    additional_config={"neuron": buckets})
