@@ -69,11 +69,16 @@ class Device:
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         """Per-device rewrites of a loaded model. Emulated: linear layers on oneDNN with
-        prepacked weights (3-4.6x aten's CPU GEMM at decode sizes, 2.3-2.9x at 256 rows)."""
+        prepacked weights (3-4.6x aten's CPU GEMM at decode sizes, 2.3-2.9x at 256 rows),
+        and each stack of decoder layers compiled once per graph (compile_regions.py)."""
         if self.packed_linear:
             from neuron_serve.model_runner import packed_linear
             count = packed_linear.pack_linear_layers(model)
             logger.info("emulated backend: %d linear layers on prepacked oneDNN matmuls", count)
+        if self.backend == "emulated":
+            from neuron_serve.model_runner import compile_regions
+            count = compile_regions.compile_layers_once(model)
+            logger.info("emulated backend: %d decoder layers compiled once per graph", count)
 
     @property
     def packed_linear(self) -> bool:

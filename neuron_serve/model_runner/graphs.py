@@ -49,16 +49,15 @@ class GraphStats:
 
 
 class StepGraphs:
-    def __init__(self, model: torch.nn.Module, vllm_config, layer_names: list[str],
-                 grid: list[Bucket], device: torch.device, compile_backend: str | None,
+    def __init__(self, model: torch.nn.Module, vllm_config, grid: list[Bucket], device: torch.device, compile_backend: str | None,
                  cache: GraphCache | None = None,
                  key_of: Callable[[Bucket], GraphKey] | None = None):
         self.model, self.vllm_config = model, vllm_config
         self.compile_backend, self.cache, self.key_of = compile_backend, cache, key_of
         self.buffers = {b: BucketBuffers(b, device) for b in grid}
-        self._contexts = {b: create_forward_context(
-            {name: buf.attn_metadata for name in layer_names}, vllm_config)
-            for b, buf in self.buffers.items()}
+        # One metadata object for all layers, not one per layer name (attention/layer.py).
+        self._contexts = {b: create_forward_context(buf.attn_metadata, vllm_config)
+                          for b, buf in self.buffers.items()}
         self.graphs: dict[Bucket, Callable] = {}
         self.stats = GraphStats()
         self.num_compiles = 0

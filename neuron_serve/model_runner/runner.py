@@ -97,9 +97,9 @@ class NeuronModelRunner:
         bind_kv_cache(caches, self.vllm_config.compilation_config.static_forward_context,
                       self.kv_caches)
         self.kv_cache_config = kv_cache_config
-        self.graphs = self._make_graphs(list(caches), kv_cache_config.num_blocks)
+        self.graphs = self._make_graphs(kv_cache_config.num_blocks)
 
-    def _make_graphs(self, layer_names: list[str], num_blocks: int) -> StepGraphs:
+    def _make_graphs(self, num_blocks: int) -> StepGraphs:
         dev, cfg = device_mod.current(), self.config
         cache = key_of = None
         if cfg.compile and cfg.cache_dir:
@@ -109,7 +109,7 @@ class NeuronModelRunner:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache.inductor_dir)
             options = dev.compile_options()
             key_of = lambda bucket: graph_key(self.vllm_config, bucket, num_blocks, options)  # noqa: E731
-        return StepGraphs(self.model, self.vllm_config, layer_names, list(cfg.grid), self.device,
+        return StepGraphs(self.model, self.vllm_config, list(cfg.grid), self.device,
                           dev.compile_backend if cfg.compile else None, cache, key_of)
 
     def warm_up(self, progress=log_progress) -> float:
