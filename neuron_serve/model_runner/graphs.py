@@ -49,7 +49,8 @@ class GraphStats:
 
 
 class StepGraphs:
-    def __init__(self, model: torch.nn.Module, vllm_config, grid: list[Bucket], device: torch.device, compile_backend: str | None,
+    def __init__(self, model: torch.nn.Module, vllm_config, grid: list[Bucket],
+                 device: torch.device, compile_backend: str | None,
                  cache: GraphCache | None = None,
                  key_of: Callable[[Bucket], GraphKey] | None = None):
         self.model, self.vllm_config = model, vllm_config
