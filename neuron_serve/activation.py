@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
-from neuron_serve import device, envs
+from neuron_serve import envs
 
 DEVICE = "neuron"
 ENV_VAR = "NEURON_SERVE_DEVICE"
@@ -26,6 +26,8 @@ def device_flag(argv: list[str]) -> str | None:
 
 
 def requested(argv: list[str] | None = None) -> bool:
+    from neuron_serve import device  # imports torch: not for `neuron-serve cache` commands
+
     argv = sys.argv if argv is None else argv
     # Any --device activates us: vLLM 0.10+ has no such flag, and ours explains the
     # one value it accepts instead of argparse's "unrecognized arguments".

@@ -155,15 +155,25 @@ def _add_buckets_parser(subparsers) -> None:
     suggest.add_argument("--request-buckets", type=_int_list, default=None)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+# Subcommands that need neither torch nor vLLM: parsed without importing them (~15 s on a
+# 2-core host), so `neuron-serve cache ls` answers in well under a second.
+LIGHT_COMMANDS = ("cache", "buckets")
 
-    parser = FlexibleArgumentParser(prog="neuron-serve", description=__doc__)
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The full parser, or only the light subcommands' when argv runs one of them."""
+    light = bool(argv) and argv[0] in LIGHT_COMMANDS
+    if light:
+        parser = argparse.ArgumentParser(prog="neuron-serve", description=__doc__)
+    else:
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+        parser = FlexibleArgumentParser(prog="neuron-serve", description=__doc__)
     parser.add_argument("--version", action="version",
                         version=__import__("neuron_serve").__version__)
     subparsers = parser.add_subparsers(dest="command", required=True)
-    _add_serve_parser(subparsers)
-    _add_compile_parser(subparsers)
+    if not light:
+        _add_serve_parser(subparsers)
+        _add_compile_parser(subparsers)
     _add_cache_parser(subparsers)
     _add_buckets_parser(subparsers)
     return parser
@@ -269,7 +279,11 @@ def main(argv: list[str] | None = None) -> None:
     from neuron_serve import activation
 
     activation.activate()  # our server always runs on our platform
-    args = build_parser().parse_args(_with_default_model(sys.argv[1:] if argv is None else argv))
+    argv = _with_default_model(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in LIGHT_COMMANDS:
+        from neuron_serve.logs import init_plain_logging
+        init_plain_logging()
+    args = build_parser(argv).parse_args(argv)
     if args.command in ("serve", "compile"):
         _check_model(args)
         if args.command == "serve":

@@ -18,3 +18,16 @@ def init_logger(name: str) -> logging.Logger:
         root.setLevel(vllm_root.level or logging.INFO)
         root.propagate = False
     return logging.getLogger(name)
+
+
+def init_plain_logging() -> None:
+    """For commands that never load a model: records go to stderr in vLLM's layout without
+    importing vLLM, which costs seconds."""
+    root = logging.getLogger(_ROOT)
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(
+            "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s", "%m-%d %H:%M:%S"))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+        root.propagate = False
