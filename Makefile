@@ -6,6 +6,9 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 MODEL  ?=
 ARGS   ?=
+# `make serve` answers at once and compiles its graphs in the background (minutes on a
+# 2-core CPU); COMPILE=ahead waits for every graph first, as `neuron-serve serve` does.
+COMPILE ?= background
 
 .PHONY: venv tools serve test clean
 
@@ -20,7 +23,7 @@ tools:
 	$(PYTHON) tools/setup_env.py --tools-only
 
 serve: $(READY)
-	$(VENV)/bin/neuron-serve serve $(MODEL) --host $(HOST) --port $(PORT) $(ARGS)
+	$(VENV)/bin/neuron-serve serve $(MODEL) --host $(HOST) --port $(PORT) --compile-mode $(COMPILE) $(ARGS)
 
 test: $(READY) tools
 	$(VENV)/bin/python -m pytest $(ARGS)

@@ -24,14 +24,14 @@ from neuron_serve.models.tiny import FAMILIES, write_checkpoint  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
-# A first start compiles every graph: `make serve` is healthy after ~90 s on a 2-core AVX512
-# EPYC, but its 13 graphs took over 300 s on a 2-core AVX2 one. Below pytest's 900 s limit.
+# A first start in `ahead` mode compiles every graph before it is healthy: the tiny model's 7
+# take ~2.5 min on a 2-core AVX2 EPYC, the demo's 13 took over 300 s. Below pytest's 900 s.
 SERVER_START_TIMEOUT_S = 600
 # Small bucket grid for tests, padding still exercised: 7 graphs (decode r1, r4 and tiled
 # t64, each × block widths 4, 16; untiled t64-r4-b16), shared by every tiny-Llama engine.
 TEST_BUCKETS = {"token_buckets": [64], "request_buckets": [1, 4], "block_buckets": [4, 16]}
 # 4 graphs (t1-r1-b16, t4-r4-b16, t64-r4-b16-q32, t64-r4-b16) where the block-width
-# buckets add nothing: other model families, cache scenarios that compile from empty.
+# buckets add nothing: cache scenarios that compile from empty.
 FEW_BUCKETS = {**TEST_BUCKETS, "block_buckets": [16]}
 
 
