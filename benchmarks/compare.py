@@ -67,6 +67,8 @@ def run_offline(args, model: Path, machine: hardware.Machine, shape: hardware.Mo
     engine_flags = ["--max-num-seqs", str(max(args.batches)),
                     "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                     "--max-model-len", str(args.max_model_len), "--kv-cache-gb", str(args.kv_cache_gb)]
+    if args.neuron_config:
+        engine_flags += ["--neuron-config", args.neuron_config]
     procs = []
     try:
         for system in args.systems:
@@ -217,7 +219,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=1024)
-    parser.add_argument("--kv-cache-gb", type=int, default=2)
+    parser.add_argument("--kv-cache-gb", type=float, default=2)
+    parser.add_argument("--neuron-config", default=None, metavar="JSON",
+                        help="our platform's `neuron` additional config, e.g. a bucket grid "
+                             "'{\"token_buckets\": [64, 256]}' (default: derived)")
     parser.add_argument("--online", action="store_true", help="also the request-rate sweep")
     parser.add_argument("--online-rates", default="0.5,1,2")
     parser.add_argument("--online-requests", type=int, default=16)

