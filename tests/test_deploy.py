@@ -206,8 +206,9 @@ def test_probes_ports_and_drain_match_the_server(rendered, composition):
     drain = float(_flag(server["args"], "--drain-timeout"))
     assert pod["terminationGracePeriodSeconds"] == pre_stop + drain
     startup = server["startupProbe"]
-    # The budget covers the demo model's cold start on 2 cores (90 s) several times over.
-    assert startup["periodSeconds"] * startup["failureThreshold"] >= 5 * 90
+    # The budget covers the demo model's cold start on 2 cores with margin: ~90 s for an
+    # older 10-graph grid on an AVX512 EPYC, 350 s for today's 13 on an AVX2-only one.
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 1.5 * 350
 
 
 def pod_labels(workload: dict) -> dict:
