@@ -47,6 +47,25 @@ TEST_ENGINE_FLAGS = engine_flags()
 FUZZ_CASES: Counter[str] = Counter()  # schemathesis cases generated (test_openapi_fuzz)
 
 
+# The longest files (minutes each on 2 cores) go to pytest-xdist's workers first, so that
+# the run does not end with one worker on a long file and the other idle.
+LONGEST_FILES = ("test_parity.py", "test_graph_cache.py", "test_benchmark_harness.py",
+                 "test_lifecycle.py", "test_openapi_fuzz.py")
+
+
+def pytest_collection_modifyitems(items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a file
+
+
+def pytest_runtest_logreport(report) -> None:
+    """Collects the fuzz case counts a test records (`record_property("schemathesis_cases",
+    {what: n})`), in pytest-xdist's controller too: reports reach it from the workers."""
+    for name, value in report.user_properties if report.when == "call" else ():
+        if name == "schemathesis_cases":
+            FUZZ_CASES.update(value)
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
     for what, n in FUZZ_CASES.items():
         terminalreporter.write_line(f"schemathesis: {n} generated cases over {what}")
@@ -66,8 +85,13 @@ def metric(base_url: str, name: str, **labels: str) -> float:
 @pytest.fixture(scope="session", autouse=True)
 def graph_cache_dir(tmp_path_factory) -> Path:
     """One compiled-graph cache for the session, never the user's: engines of later tests
-    load the graphs earlier ones compiled. Tests of the cache itself use their own."""
-    path = tmp_path_factory.mktemp("graph-cache")
+    load the graphs earlier ones compiled. pytest-xdist's workers share it (writes are
+    atomic and locked: each graph is compiled once). Tests of the cache itself use their own."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's directory, above each worker's own
+    path = root / "graph-cache"
+    path.mkdir(exist_ok=True)
     os.environ["NEURON_SERVE_CACHE_DIR"] = str(path)
     return path
 

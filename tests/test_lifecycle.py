@@ -129,9 +129,10 @@ def generated_tokens_after_idle(base_url: str) -> float:
 
 @pytest.fixture(scope="module")
 def timed(tiny_llama, tmp_path_factory):
-    """A short request timeout and one sequence at a time: a long request cannot finish."""
+    """A short request timeout and one sequence at a time: a long request cannot finish.
+    Eager: the timeout is the server's, and one sequence would need graphs of its own."""
     server = serve(tiny_llama, tmp_path_factory, "timed", "--request-timeout",
-                   str(REQUEST_TIMEOUT_S), "--max-num-seqs", "1")
+                   str(REQUEST_TIMEOUT_S), "--max-num-seqs", "1", "--compile-mode", "eager")
     yield server
     server.stop()
 

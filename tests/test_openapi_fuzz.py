@@ -10,7 +10,7 @@ import re
 import subprocess
 
 import pytest
-from conftest import FUZZ_CASES, REPO, VENV_BIN
+from conftest import REPO, VENV_BIN
 
 pytestmark = pytest.mark.slow
 
@@ -18,7 +18,7 @@ CHECKS = ("not_a_server_error", "status_code_conformance", "content_type_conform
           "response_headers_conformance", "response_schema_conformance", "negative_data_rejection")
 
 
-def test_openapi_conformance_under_generated_requests(tiny_server, tmp_path):
+def test_openapi_conformance_under_generated_requests(tiny_server, tmp_path, record_property):
     env = {**os.environ, "SCHEMATHESIS_HOOKS": "schemathesis_hooks",
            "PYTHONPATH": str(REPO / "tests"), "NO_COLOR": "1"}
     out = subprocess.run(
@@ -28,6 +28,6 @@ def test_openapi_conformance_under_generated_requests(tiny_server, tmp_path):
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     summary = re.search(r"(\d+) generated", out.stdout)
     assert out.returncode == 0 and summary, out.stdout[-6000:] + out.stderr[-2000:]
-    FUZZ_CASES["all operations"] = int(summary.group(1))
+    record_property("schemathesis_cases", {"all operations": int(summary.group(1))})
     tested = re.search(r"Tested: (\d+)", out.stdout)
     assert tested and int(tested.group(1)) == 11, out.stdout[-3000:]
