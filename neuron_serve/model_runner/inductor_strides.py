@@ -3,11 +3,12 @@
 For every memory access of every loop it considers, the vectorizer asks how far the index
 moves when the loop variable steps by one, and answers with `sympy.simplify`: 15-50 ms per
 call even for a plain affine index such as `128*x0 + 64*x1 + x3`, a fifth of a tiny model's
-graph compile. For an index built only from symbols and integers with + and ×, the stride is
-the exact difference `index(v + 1) - index(v)` once expanded. When that is an integer it is
-the number simplify would return, found in microseconds; the kernels inductor writes are
-byte-identical either way. Any other index (floor division, modulo, a non-integer step)
-still goes to inductor's own analysis.
+graph compile under cProfile. For an index built only from symbols and integers with + and
+×, the stride is the exact difference `index(v + 1) - index(v)` once expanded. When that is
+an integer it is the number simplify would return, found in microseconds; the kernels
+inductor writes are byte-identical either way. Any other index (floor division, modulo, a
+non-integer step) still goes to inductor's own analysis. That leaves 36 of 908 queries for
+a tiny Llama's 3 graphs, which compiled in 46 s instead of 52 s on a 2-core AVX2 EPYC.
 """
 
 from __future__ import annotations
