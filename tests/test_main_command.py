@@ -15,9 +15,10 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def demo_server(tmp_path_factory):
     port = free_port()
-    # As from a user's shell: under `make test ARGS=...` the outer make's variables would
-    # reach this make through MAKEFLAGS, and pytest's flags the server's command line.
-    shell = ["env", "-u", "MAKEFLAGS", "-u", "MFLAGS", "-u", "MAKELEVEL"]
+    # As from a user's shell: under `make test ARGS=...` the outer make's variables reach
+    # this make (through MAKEFLAGS and the environment), and pytest's flags the server's.
+    shell = ["env", *(f"-u{name}" for name in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "ARGS",
+                                                "MODEL", "COMPILE", "HOST", "PYTHON"))]
     server = start_server([*shell, "make", "-s", "-C", str(REPO), "serve", f"PORT={port}"], port,
                           tmp_path_factory.mktemp("logs") / "make_serve.log")
     yield server
