@@ -47,17 +47,6 @@ TEST_ENGINE_FLAGS = engine_flags()
 FUZZ_CASES: Counter[str] = Counter()  # schemathesis cases generated (test_openapi_fuzz)
 
 
-# The longest files (minutes each on 2 cores) go to pytest-xdist's workers first, so that
-# the run does not end with one worker on a long file and the other idle.
-LONGEST_FILES = ("test_parity.py", "test_graph_cache.py", "test_benchmark_harness.py",
-                 "test_lifecycle.py", "test_openapi_fuzz.py")
-
-
-def pytest_collection_modifyitems(items) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a file
-
-
 def pytest_runtest_logreport(report) -> None:
     """Collects the fuzz case counts a test records (`record_property("schemathesis_cases",
     {what: n})`), in pytest-xdist's controller too: reports reach it from the workers."""
