@@ -24,9 +24,9 @@ def make(**kw) -> NeuronConfig:
 def test_default_grid_is_small_and_covers_the_engine_limits():
     cfg = make()
     assert cfg.token_buckets == (96, 160, 256)  # 64- and 128-token chunks beside 16 decodes
-    assert cfg.request_buckets == (1, 4, 16)
+    assert cfg.request_buckets == (1, 2, 4, 8, 16)
     assert cfg.block_buckets == (8, 32)
-    assert len(cfg.grid) == 13  # 3 decode + 3 mixed buckets per block bucket, 1 untiled
+    assert len(cfg.grid) == 17  # 5 decode + 3 mixed buckets per block bucket, 1 untiled
     assert cfg.grid[-1] == Bucket(256, 16, 32)  # the untiled one, last: it holds any step
     assert max(cfg.grid[:-1], key=lambda b: b.cost) == Bucket(256, 16, 32, query_tile=32)
 
@@ -151,7 +151,7 @@ def test_suggest_finds_the_known_optimum_of_a_two_length_trace(tmp_path):
 def test_suggest_command_prints_default_and_proposal_waste(tmp_path):
     trace = write_trace(tmp_path / "trace.jsonl", [(96, 32)] * 30 + [(256, 32)] * 10)
     out = subprocess.run([str(VENV_BIN / "neuron-serve"), "buckets", "suggest", "--trace", trace,
-                          "--max-graphs", "9", "--max-num-seqs", "4", "--max-num-batched-tokens",
+                          "--max-graphs", "11", "--max-num-seqs", "4", "--max-num-batched-tokens",
                           "256", "--max-model-len", "512"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()

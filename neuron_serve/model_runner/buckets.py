@@ -81,7 +81,11 @@ def default_token_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> lis
 
 
 def default_request_buckets(max_num_seqs: int) -> list[int]:
-    return powers_of_two(1, max_num_seqs, stride=2)
+    """Every power of two: a decode step pads its requests less than 2x. With every other
+    power, 8 decodes padded to 16, which took 112 ms per step instead of 91 ms on the
+    SmolLM2 shape (2-core AVX2 EPYC); each extra request bucket costs one graph per block
+    bucket at warm-up."""
+    return powers_of_two(1, max_num_seqs)
 
 
 def default_block_buckets(max_blocks_per_seq: int) -> list[int]:
