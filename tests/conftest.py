@@ -25,7 +25,7 @@ from neuron_serve.models.tiny import FAMILIES, write_checkpoint  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 # A first start in `ahead` mode compiles every graph before it is healthy: the tiny model's 7
-# take ~2.5 min on a 2-core AVX2 EPYC, the demo's 13 took over 300 s. Below pytest's 900 s.
+# take ~2.5 min on a 2-core AVX2 EPYC, the demo's 17 about 335 s. Below pytest's 900 s.
 SERVER_START_TIMEOUT_S = 600
 # Small bucket grid for tests, padding still exercised: 7 graphs (decode r1, r4 and tiled
 # t64, each × block widths 4, 16; untiled t64-r4-b16), shared by every tiny-Llama engine.
