@@ -16,7 +16,10 @@ Writes <out>/<name>.json, <name>.md and <name>.png (default out: benchmarks/resu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -41,10 +44,17 @@ class SystemProcess:
     def __init__(self, system: str, model: Path, engine_flags: list[str], log: Path):
         self.system = system
         self._log = open(log, "w")
+        # A session of its own: close() ends the whole group, vLLM's engine-core child too,
+        # which outlives a killed parent and spins a core (seen: 20 % of one, 38 min).
         self.proc = subprocess.Popen(
             [sys.executable, str(HERE / "systems.py"), system, str(model), *engine_flags],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1)
-        self.ready_seconds = self._result()["ready_seconds"]
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1,
+            start_new_session=True)
+        try:
+            self.ready_seconds = self._result()["ready_seconds"]
+        except BaseException:
+            self.close(kill=True)
+            raise
 
     def _result(self) -> dict:
         for line in self.proc.stdout:
@@ -57,10 +67,18 @@ class SystemProcess:
         self.proc.stdin.write(json.dumps(job) + "\n")
         return self._result()
 
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=120)
-        self._log.close()
+    def close(self, kill: bool = False) -> None:
+        """End the system: let it exit (stdin closed), or `kill` it at once (a failed or
+        interrupted run); either way nothing of its process group is left running."""
+        try:
+            if not kill:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=120)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            self._log.close()
 
 
 def run_offline(args, model: Path, machine: hardware.Machine, shape: hardware.ModelShape) -> list[dict]:
@@ -90,9 +108,12 @@ def run_offline(args, model: Path, machine: hardware.Machine, shape: hardware.Mo
                     print(f"  rep {rep + 1} {proc.system:12s} seqs {job['batch']:3d} prompt "
                           f"{job['prompt']:4d}: {samples[(proc.system, job['batch'], job['prompt'])][-1]:8.1f} tok/s",
                           flush=True)
-    finally:
+    except BaseException:
         for proc in procs:
-            proc.close()
+            proc.close(kill=True)
+        raise
+    for proc in procs:
+        proc.close()
     return [offline_row(system, batch, prompt, args.output, tps, shape, machine)
             for (system, batch, prompt), tps in samples.items()]
 
@@ -209,6 +230,8 @@ def chart(report: dict, path: Path) -> None:
 
 
 def main() -> None:
+    # Killed (SIGTERM), still close every system: the `finally` blocks run on SystemExit.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m",
                         help=f"one of {sorted(SHAPES)} (random weights, built once), or a checkpoint dir")
