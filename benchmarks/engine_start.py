@@ -4,8 +4,9 @@
 
 Each start is a fresh process running vLLM's offline engine on our platform with
 neuron-serve's serving defaults (16 sequences, 256 tokens per step, max_model_len 1024:
-10 bucket graphs) and a fixed 1 GiB KV cache. Timed from process spawn (imports included)
-to "ready" (engine constructed) and to the first served request (8 greedy tokens):
+the default grid, 17 bucket graphs) and a fixed 1 GiB KV cache. Timed from process spawn
+(imports included) to "ready" (engine constructed) and to the first served request (8
+greedy tokens):
 
     eager       compile_mode eager: no graphs at all
     cold        compile_mode ahead, empty cache directory (kernel build cache included)
