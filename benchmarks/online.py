@@ -6,6 +6,7 @@ chunks) p50 and p99, and output tok/s. Called by compare.py --online."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -49,6 +50,13 @@ class Server:
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self.base_url = f"http://127.0.0.1:{self.port}"
+        try:
+            self._wait_healthy(system, log)
+        except BaseException:
+            self.stop()  # a server that never came up must not keep the cores
+            raise
+
+    def _wait_healthy(self, system: str, log: Path) -> None:
         deadline = time.monotonic() + 1800
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -62,7 +70,8 @@ class Server:
         raise TimeoutError(f"{system} server not up; see {log}")
 
     def stop(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
         try:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:

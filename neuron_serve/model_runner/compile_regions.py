@@ -5,8 +5,8 @@ every layer again: compile time grew with depth. On a 2-core AVX2 host the 9 gra
 SmolLM2's (30 layers) max_num_seqs=1 grid took 70-201 s each before, 17-34 s each after
 (243 s in all, from the engine's `compiled in` log lines). A layer class whose forward is
 a nested compile region is traced once and emitted once, as a function every layer calls
-with its own weights and KV cache. A layer that traces differently (the first, which starts the residual stream; one
-with another sliding window) gets a region of its own.
+with its own weights and KV cache. A layer that traces differently (the first, which starts
+the residual stream; one with another sliding window) gets a region of its own.
 """
 
 from __future__ import annotations
