@@ -73,11 +73,13 @@ class Device:
     def prepare_model(self, model: torch.nn.Module) -> None:
         """Per-device rewrites of a loaded model. Emulated: linear layers on oneDNN with
         prepacked weights (3-4.6x aten's CPU GEMM at decode sizes, 2.3-2.9x at 256 rows),
-        and each stack of decoder layers compiled once per graph (compile_regions.py)."""
+        decode-sized ones on our AVX2 kernel (skinny_matmul.py), and each stack of decoder
+        layers compiled once per graph (compile_regions.py)."""
         if self.packed_linear:
             from neuron_serve.model_runner import packed_linear
             count = packed_linear.pack_linear_layers(model)
-            logger.info("emulated backend: %d linear layers on prepacked oneDNN matmuls", count)
+            logger.info("emulated backend: %d linear layers on %s matmuls", count,
+                        self._linear_kernels())
         if self.backend == "emulated":
             from neuron_serve.model_runner import compile_regions
             count = compile_regions.compile_layers_once(model)
@@ -88,6 +90,12 @@ class Device:
         from neuron_serve.model_runner import packed_linear
         return self.backend == "emulated" and packed_linear.supported()
 
+    def _linear_kernels(self) -> str:
+        from neuron_serve.model_runner import skinny_matmul
+        if not self.packed_linear:
+            return "aten"
+        return "onednn-packed+skinny" if skinny_matmul.cpu_supported() else "onednn-packed"
+
     def compile_options(self) -> dict:
         """Everything besides the traced program that decides the compiled code: part of
         every compiled-graph cache key."""
@@ -96,7 +104,7 @@ class Device:
             # Inductor bakes the OpenMP thread count and the vector ISA into each kernel.
             options.update(threads=torch.get_num_threads(),
                            isa=torch.backends.cpu.get_cpu_capability(),
-                           linear="onednn-packed" if self.packed_linear else "aten")
+                           linear=self._linear_kernels())
         return options
 
     def total_memory_bytes(self) -> int:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     NEURON_SERVE_CACHE_MAX_GB: float | None
     NEURON_SERVE_COMPILE_MODE: str
     NEURON_SERVE_PROFILE_DIR: str
+    NEURON_SERVE_KERNEL_DIR: str
 
 
 def _choice(name: str, default: str, choices: tuple[str, ...]) -> Callable[[], str]:
@@ -76,6 +77,8 @@ _PARSERS: dict[str, Callable[[], Any]] = {
     # ahead | background | eager (see neuron_serve.config); `neuron.compile_mode` wins.
     "NEURON_SERVE_COMPILE_MODE": _choice("NEURON_SERVE_COMPILE_MODE", "ahead",
                                          ("ahead", "background", "eager")),
+    # Where the emulated backend's C++ kernels are built, once per source and torch version.
+    "NEURON_SERVE_KERNEL_DIR": _under_cache_home("NEURON_SERVE_KERNEL_DIR", "kernels"),
     # Where POST /admin/profile/stop writes traces and per-operator Parquet files;
     # `neuron-serve serve --profile-dir` wins.
     "NEURON_SERVE_PROFILE_DIR": _under_cache_home("NEURON_SERVE_PROFILE_DIR", "profiles"),

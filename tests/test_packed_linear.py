@@ -7,7 +7,7 @@ from torch import nn
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
-from neuron_serve.model_runner import packed_linear
+from neuron_serve.model_runner import packed_linear, skinny_matmul
 
 pytestmark = pytest.mark.skipif(not packed_linear.supported(),
                                 reason="this vLLM build has no oneDNN matmul")
@@ -37,7 +37,7 @@ class Model(nn.Module):
         return self.head(torch.relu(self.proj(x)))
 
 
-@pytest.mark.parametrize("rows", [1, 7, 33])
+@pytest.mark.parametrize("rows", [1, 7, 32, 33])
 def test_packed_layers_match_plain_matmuls_eager_and_compiled(rows):
     torch.manual_seed(rows)
     model = Model()
@@ -46,6 +46,8 @@ def test_packed_layers_match_plain_matmuls_eager_and_compiled(rows):
     expected = torch.relu(x @ w1.T + b1) @ w2.T
 
     assert packed_linear.pack_linear_layers(model) == 2
+    # Rows up to MAX_ROWS run on the skinny kernel where the CPU has AVX2, more on oneDNN.
+    assert hasattr(model.proj, "skinny_weight") == skinny_matmul.cpu_supported()
     assert model.proj.weight.numel() == 0  # released: the packed copy is the only one
     assert torch.equal(model.head.weight, w2)  # a tied head still looks embeddings up
     torch.testing.assert_close(model(x), expected, rtol=1e-4, atol=1e-4)

@@ -7,6 +7,10 @@ sizes: on the SmolLM2 shape, 30 layers' gate_up take 20.5 ms at 8 rows through a
 extension builds those matmuls (`create_onednn_mm_handler`); the handle is a tensor buffer
 of the layer, so a compiled graph reads it at run time and holds no pointer, and the
 cached graphs stay free of weights and process state.
+
+Steps of at most `skinny_matmul.MAX_ROWS` rows (decode) run on our AVX2 kernel instead,
+which streams the weight faster at those sizes (skinny_matmul.py); each layer then keeps
+that kernel's copy of the weight beside oneDNN's.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import torch
 from torch import nn
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+from neuron_serve.model_runner import skinny_matmul
 
 
 @torch.library.custom_op("neuron_serve::packed_linear", mutates_args=())
@@ -61,8 +67,12 @@ class _PackedApply:
         self.out_features = out_features
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None):
-        out = packed_linear(x.reshape(-1, x.shape[-1]), bias, layer.packed_handle,
-                            self.out_features)
+        rows = x.reshape(-1, x.shape[-1])
+        # A graph's row count is its bucket's, so each graph calls one kernel per layer.
+        if rows.shape[0] <= skinny_matmul.MAX_ROWS and hasattr(layer, "skinny_weight"):
+            out = skinny_matmul.skinny_matmul(rows, layer.skinny_weight, bias, self.out_features)
+        else:
+            out = packed_linear(rows, bias, layer.packed_handle, self.out_features)
         return out.view(*x.shape[:-1], self.out_features)
 
 
@@ -78,12 +88,17 @@ def supported() -> bool:
     return hasattr(torch.ops._C, "create_onednn_mm_handler")
 
 
-def pack_linear_layers(model: nn.Module) -> int:
-    """Run every unquantized fp32 linear (and a tied LM head) on a prepacked oneDNN matmul;
+def pack_linear_layers(model: nn.Module, skinny: bool | None = None) -> int:
+    """Run every unquantized fp32 linear (and a tied LM head) on a prepacked oneDNN matmul,
+    and at decode sizes on the skinny kernel (`skinny`: default where the CPU has AVX2);
     returns the number of layers packed."""
     import vllm._custom_ops as ops
 
     _register_lowering()
+    if skinny is None:
+        skinny = skinny_matmul.cpu_supported()
+    if skinny:
+        skinny_matmul.load()
 
     methods = {UnquantizedLinearMethod: PackedLinearMethod,
                UnquantizedEmbeddingMethod: PackedEmbeddingMethod}
@@ -96,6 +111,9 @@ def pack_linear_layers(model: nn.Module) -> int:
             continue
         handler = ops.create_onednn_mm(weight.detach().t(), 32)
         module.register_buffer("packed_handle", handler.handler_tensor, persistent=False)
+        if skinny:
+            module.register_buffer("skinny_weight", skinny_matmul.pack_weight(weight.detach()),
+                                   persistent=False)
         module.packed_handler = handler  # owns the oneDNN primitive, freed with the layer
         module.quant_method = methods[type(method)](handler.n)
         if type(method) is UnquantizedLinearMethod:  # an embedding still looks rows up

@@ -1,0 +1,132 @@
+// Emulated backend: `x @ W.T + bias` for the few rows of a decode step (AVX2 + FMA).
+//
+// A decode step's matmuls read every weight once for a handful of rows, so they are bound
+// by how fast the weights stream from memory. The weight is stored as column blocks of 16
+// outputs, each [in_features][16] and contiguous: a block streams front to back while the
+// rows of x, broadcast one value at a time, stay in L1. Each block is a 2 x 8-float tile of
+// accumulators per row, written out once: no horizontal sums, no packing per call.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <optional>
+
+namespace {
+
+constexpr int64_t kBlock = 16;  // output columns per weight block: two 8-float registers
+constexpr int kMaxTileRows = 6;  // 12 accumulators + 2 weight registers of AVX2's 16
+
+// y[m, 0:16] = bias + sum_k x[m, k] * block[k, 0:16] for Rows rows of x.
+template <int Rows>
+void tile(const float* x, int64_t in_features, const float* block, const float* bias,
+          float* y, int64_t ldy, int64_t columns) {
+  __m256 lo[Rows], hi[Rows];
+  const __m256 bias_lo = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  const __m256 bias_hi = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+  for (int m = 0; m < Rows; ++m) lo[m] = bias_lo, hi[m] = bias_hi;
+  // One or two rows leave the FMA units idle on a single chain: run odd k on a second one.
+  constexpr bool kTwoChains = Rows <= 2;
+  __m256 lo2[Rows], hi2[Rows];
+  for (int m = 0; m < Rows; ++m) lo2[m] = hi2[m] = _mm256_setzero_ps();
+  int64_t k = 0;
+  if constexpr (kTwoChains) {
+    for (; k + 1 < in_features; k += 2) {
+      const float* w = block + k * kBlock;
+      const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+      const __m256 w2 = _mm256_loadu_ps(w + 16), w3 = _mm256_loadu_ps(w + 24);
+      for (int m = 0; m < Rows; ++m) {
+        const __m256 a = _mm256_broadcast_ss(x + m * in_features + k);
+        const __m256 b = _mm256_broadcast_ss(x + m * in_features + k + 1);
+        lo[m] = _mm256_fmadd_ps(w0, a, lo[m]);
+        hi[m] = _mm256_fmadd_ps(w1, a, hi[m]);
+        lo2[m] = _mm256_fmadd_ps(w2, b, lo2[m]);
+        hi2[m] = _mm256_fmadd_ps(w3, b, hi2[m]);
+      }
+    }
+  }
+  for (; k < in_features; ++k) {
+    const float* w = block + k * kBlock;
+    const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+    for (int m = 0; m < Rows; ++m) {
+      const __m256 a = _mm256_broadcast_ss(x + m * in_features + k);
+      lo[m] = _mm256_fmadd_ps(w0, a, lo[m]);
+      hi[m] = _mm256_fmadd_ps(w1, a, hi[m]);
+    }
+  }
+  for (int m = 0; m < Rows; ++m) {
+    lo[m] = _mm256_add_ps(lo[m], lo2[m]);
+    hi[m] = _mm256_add_ps(hi[m], hi2[m]);
+    if (columns == kBlock) {
+      _mm256_storeu_ps(y + m * ldy, lo[m]);
+      _mm256_storeu_ps(y + m * ldy + 8, hi[m]);
+    } else {  // the last block of a width that is not a multiple of 16
+      alignas(32) float out[kBlock];
+      _mm256_store_ps(out, lo[m]);
+      _mm256_store_ps(out + 8, hi[m]);
+      std::memcpy(y + m * ldy, out, columns * sizeof(float));
+    }
+  }
+}
+
+using TileFn = void (*)(const float*, int64_t, const float*, const float*, float*, int64_t,
+                        int64_t);
+constexpr TileFn kTiles[kMaxTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>,
+                                             tile<4>, tile<5>, tile<6>};
+
+// weight_blocks: [ceil(N / 16), K, 16], zero beyond column N (pack_weight in Python).
+at::Tensor skinny_matmul(const at::Tensor& x_in, const at::Tensor& weight_blocks,
+                         const std::optional<at::Tensor>& bias_in, int64_t out_features) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat,
+              "skinny_matmul: x must be a 2-d float32 tensor, got ", x_in.sizes());
+  const at::Tensor x = x_in.contiguous();
+  const int64_t rows = x.size(0), in_features = x.size(1);
+  const int64_t blocks = (out_features + kBlock - 1) / kBlock;
+  TORCH_CHECK(weight_blocks.is_contiguous() && weight_blocks.dim() == 3 &&
+                  weight_blocks.size(0) == blocks && weight_blocks.size(1) == in_features &&
+                  weight_blocks.size(2) == kBlock,
+              "skinny_matmul: weight blocks ", weight_blocks.sizes(), " do not fit x ",
+              x.sizes(), " and ", out_features, " outputs");
+  at::Tensor bias_padded;
+  const float* bias = nullptr;
+  if (bias_in.has_value() && bias_in->defined()) {
+    bias_padded = at::zeros({blocks * kBlock}, x.options());
+    bias_padded.narrow(0, 0, out_features).copy_(*bias_in);
+    bias = bias_padded.const_data_ptr<float>();
+  }
+  at::Tensor y = at::empty({rows, out_features}, x.options());
+  const float* xp = x.const_data_ptr<float>();
+  const float* wp = weight_blocks.const_data_ptr<float>();
+  float* yp = y.mutable_data_ptr<float>();
+  // Row tiles of near-equal height, at most 6: 8 rows run as 4 + 4, 16 as 6 + 5 + 5.
+  const int64_t tiles = (rows + kMaxTileRows - 1) / kMaxTileRows;
+  // A task streams at least ~64 KB of weights so small layers do not pay for the fork.
+  const int64_t grain = std::max<int64_t>(1, 65536 / (in_features * kBlock * 4));
+  at::parallel_for(0, blocks, grain, [&](int64_t first, int64_t last) {
+    for (int64_t b = first; b < last; ++b) {
+      const int64_t columns = std::min(kBlock, out_features - b * kBlock);
+      const float* block = wp + b * in_features * kBlock;
+      for (int64_t t = 0, row = 0; t < tiles; ++t) {
+        const int64_t height = (rows - row) / (tiles - t);
+        kTiles[height](xp + row * in_features, in_features, block,
+                       bias ? bias + b * kBlock : nullptr, yp + row * out_features + b * kBlock,
+                       out_features, columns);
+        row += height;
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(neuron_serve, m) {
+  m.def("skinny_matmul(Tensor x, Tensor weight_blocks, Tensor? bias, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(neuron_serve, CPU, m) { m.impl("skinny_matmul", &skinny_matmul); }

@@ -1,0 +1,77 @@
+"""The decode matmul kernel (emulated backend, skinny_matmul.cpp) against `x @ W.T + b`:
+every row-tile height, widths that are not a multiple of its 16-column blocks, eager and
+compiled, and the errors it gives for weights that do not fit."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from neuron_serve.model_runner import skinny_matmul
+
+pytestmark = pytest.mark.skipif(not skinny_matmul.cpu_supported(), reason="needs AVX2")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    skinny_matmul.load()
+
+
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (200, 96), (37, 5), (17, 1)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 8, 13, 16, 32, 33])
+def test_matches_plain_matmul(rows, out_features, in_features):
+    torch.manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features)
+    bias = torch.randn(out_features)
+    x = torch.randn(rows, in_features)
+    blocks = skinny_matmul.pack_weight(weight)
+    torch.testing.assert_close(skinny_matmul.skinny_matmul(x, blocks, bias, out_features),
+                               x @ weight.T + bias, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(skinny_matmul.skinny_matmul(x, blocks, None, out_features),
+                               x @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+def test_in_a_compiled_graph_and_on_strided_input():
+    torch.manual_seed(0)
+    weight, bias = torch.randn(50, 40), torch.randn(50)
+    blocks = skinny_matmul.pack_weight(weight)
+    x = torch.randn(40, 4).T  # [4, 40], not contiguous
+
+    def step(x):
+        return torch.relu(skinny_matmul.skinny_matmul(x * 2, blocks, bias, 50)) + 1
+
+    expected = torch.relu((x * 2) @ weight.T + bias) + 1
+    torch.testing.assert_close(step(x), expected, rtol=1e-5, atol=1e-5)
+    compiled = torch.compile(step, fullgraph=True, dynamic=False)
+    torch.testing.assert_close(compiled(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_weight_that_does_not_fit_is_refused():
+    blocks = skinny_matmul.pack_weight(torch.randn(32, 8))
+    with pytest.raises(RuntimeError, match="do not fit"):
+        skinny_matmul.skinny_matmul(torch.randn(2, 9), blocks, None, 32)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        skinny_matmul.skinny_matmul(torch.randn(2, 8), blocks, None, 40)
+    with pytest.raises(RuntimeError, match="float32"):
+        skinny_matmul.skinny_matmul(torch.randn(2, 8, dtype=torch.float64), blocks, None, 32)
+
+
+def test_a_build_is_reused_and_never_half_written(tmp_path):
+    """A fresh kernel directory gets one finished library and nothing else (the build ran
+    in a private directory); a second process loads that file without building again."""
+    code = ("from neuron_serve.model_runner import skinny_matmul as s; s.load(); "
+            "print(s._library_path().name)")
+    env = {**os.environ, "NEURON_SERVE_KERNEL_DIR": str(tmp_path)}
+
+    def load_in_new_process() -> str:
+        return subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                              capture_output=True, text=True).stdout.split()[-1]
+
+    name = load_in_new_process()
+    assert [p.name for p in tmp_path.iterdir()] == [name]
+    built = (tmp_path / name).stat().st_mtime_ns
+    assert load_in_new_process() == name
+    assert [p.name for p in tmp_path.iterdir()] == [name]
+    assert (tmp_path / name).stat().st_mtime_ns == built
