@@ -22,24 +22,28 @@ namespace {
 constexpr int64_t kBlock = 16;  // output columns per weight block: two 8-float registers
 constexpr int kMaxTileRows = 6;  // 12 accumulators + 2 weight registers of AVX2's 16
 
-// y[m, 0:16] = bias + sum_k x[m, k] * block[k, 0:16] for Rows rows of x.
+// y[m, 0:16] = bias + sum_k x[m, k] * block[k, 0:16] for Rows rows of x. Every loop over
+// rows is unrolled so the accumulators live in registers: a loop the compiler keeps
+// (it kept the epilogue's) pins them to the stack, with a store per FMA pair.
 template <int Rows>
 void tile(const float* x, int64_t in_features, const float* block, const float* bias,
           float* y, int64_t ldy, int64_t columns) {
   __m256 lo[Rows], hi[Rows];
   const __m256 bias_lo = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
   const __m256 bias_hi = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+#pragma GCC unroll 8
   for (int m = 0; m < Rows; ++m) lo[m] = bias_lo, hi[m] = bias_hi;
-  // One or two rows leave the FMA units idle on a single chain: run odd k on a second one.
-  constexpr bool kTwoChains = Rows <= 2;
-  __m256 lo2[Rows], hi2[Rows];
-  for (int m = 0; m < Rows; ++m) lo2[m] = hi2[m] = _mm256_setzero_ps();
   int64_t k = 0;
-  if constexpr (kTwoChains) {
+  if constexpr (Rows <= 2) {
+    // One or two rows leave the FMA units idle on a single chain: odd k on a second one.
+    __m256 lo2[Rows], hi2[Rows];
+#pragma GCC unroll 8
+    for (int m = 0; m < Rows; ++m) lo2[m] = hi2[m] = _mm256_setzero_ps();
     for (; k + 1 < in_features; k += 2) {
       const float* w = block + k * kBlock;
       const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
       const __m256 w2 = _mm256_loadu_ps(w + 16), w3 = _mm256_loadu_ps(w + 24);
+#pragma GCC unroll 8
       for (int m = 0; m < Rows; ++m) {
         const __m256 a = _mm256_broadcast_ss(x + m * in_features + k);
         const __m256 b = _mm256_broadcast_ss(x + m * in_features + k + 1);
@@ -49,29 +53,38 @@ void tile(const float* x, int64_t in_features, const float* block, const float* 
         hi2[m] = _mm256_fmadd_ps(w3, b, hi2[m]);
       }
     }
+#pragma GCC unroll 8
+    for (int m = 0; m < Rows; ++m) {
+      lo[m] = _mm256_add_ps(lo[m], lo2[m]);
+      hi[m] = _mm256_add_ps(hi[m], hi2[m]);
+    }
   }
   for (; k < in_features; ++k) {
     const float* w = block + k * kBlock;
     const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+#pragma GCC unroll 8
     for (int m = 0; m < Rows; ++m) {
       const __m256 a = _mm256_broadcast_ss(x + m * in_features + k);
       lo[m] = _mm256_fmadd_ps(w0, a, lo[m]);
       hi[m] = _mm256_fmadd_ps(w1, a, hi[m]);
     }
   }
-  for (int m = 0; m < Rows; ++m) {
-    lo[m] = _mm256_add_ps(lo[m], lo2[m]);
-    hi[m] = _mm256_add_ps(hi[m], hi2[m]);
-    if (columns == kBlock) {
+  if (columns == kBlock) {
+#pragma GCC unroll 8
+    for (int m = 0; m < Rows; ++m) {
       _mm256_storeu_ps(y + m * ldy, lo[m]);
       _mm256_storeu_ps(y + m * ldy + 8, hi[m]);
-    } else {  // the last block of a width that is not a multiple of 16
-      alignas(32) float out[kBlock];
-      _mm256_store_ps(out, lo[m]);
-      _mm256_store_ps(out + 8, hi[m]);
-      std::memcpy(y + m * ldy, out, columns * sizeof(float));
     }
+    return;
   }
+  // The last block of a width that is not a multiple of 16.
+  alignas(32) float out[Rows][kBlock];
+#pragma GCC unroll 8
+  for (int m = 0; m < Rows; ++m) {
+    _mm256_store_ps(out[m], lo[m]);
+    _mm256_store_ps(out[m] + 8, hi[m]);
+  }
+  for (int m = 0; m < Rows; ++m) std::memcpy(y + m * ldy, out[m], columns * sizeof(float));
 }
 
 using TileFn = void (*)(const float*, int64_t, const float*, const float*, float*, int64_t,

@@ -1,12 +1,13 @@
 """Emulated backend: the matmuls of decode steps (a few rows) on our AVX2 kernel.
 
 At 1-8 rows a matmul reads every weight once and does little else, so its speed is the
-speed the weight streams from memory. oneDNN's matmul on a prepacked weight streams
-SmolLM2's 538 MB of weights at 7-9 GB/s on a 2-core AMD EPYC (Zen 3, AVX2) where a plain
-sum reads 13-20 GB/s; `skinny_matmul.cpp` streams them at 9-13 GB/s, 1.3-1.7x oneDNN at
-1-8 rows and 1.1x at 16-32, 0.9x at 64 and 0.8x at 256
-(`benchmarks/linear_bench.py`). So steps of up to MAX_ROWS rows run on it, larger ones
-on oneDNN; each linear keeps both weight layouts, twice the weight memory.
+speed the weight streams from memory. On a 2-core AMD EPYC (Zen 3, AVX2) where a plain sum
+reads 17-23 GB/s, oneDNN's matmul on a prepacked weight streams SmolLM2's weights at
+7-13 GB/s at 1 row; `skinny_matmul.cpp` at 14-20 GB/s. Per weight shape it is 1.4-1.9x
+oneDNN at 1 row, 1.4-1.6x at 8, 1.1-1.5x at 16-32, 1.0-1.35x at 64 and 0.9-1.05x at 256
+(`benchmarks/linear_bench.py`, results/linear_kernels-smollm2-135m.md). So steps of up to
+MAX_ROWS rows run on it, larger ones on oneDNN; each linear keeps both weight layouts,
+twice the weight memory.
 
 The kernel is built with torch's extension builder on first use (~20 s; the venv setup
 builds it ahead) and kept in $NEURON_SERVE_KERNEL_DIR.
@@ -25,7 +26,7 @@ import torch
 
 from neuron_serve import envs
 
-MAX_ROWS = 32  # above this, oneDNN's blocked GEMM wins (see the module docstring)
+MAX_ROWS = 64  # beyond, oneDNN's blocked GEMM catches up (see the module docstring)
 _BLOCK = 16  # output columns per weight block; kBlock in the C++ source
 _SOURCE = Path(__file__).with_suffix(".cpp")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
