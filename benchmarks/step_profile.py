@@ -4,11 +4,11 @@
 
 Runs our engine (compiled; graph cache off, so every graph is built with inductor's kernel
 profiling) with compare.py's engine settings, records one generate per batch size with the
-worker's step profiler, and splits every compiled step into oneDNN matmuls (the linear
-layers and the LM head), attention (our paged-attention kernels: inductor's fused softmax
-kernels and the query tiles' batched matmuls) and everything else. A step with tile
-matmuls is a mixed (prefill) step, one without a decode step. Prints a markdown table and
-writes it to benchmarks/results/step_profile-<model>.md.
+worker's step profiler, and splits every compiled step into matmuls (the linear layers and
+the LM head, on oneDNN or the skinny kernel), attention (our paged-attention kernels:
+inductor's fused softmax kernels and the query tiles' batched matmuls) and everything
+else. A step with tile matmuls is a mixed (prefill) step, one without a decode step.
+Prints a markdown table and writes it to benchmarks/results/step_profile-<model>.md.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ KINDS = ("matmul", "attention", "other")
 
 
 def classify(name: str) -> str | None:
-    if name == "_C::onednn_mm":
+    if name in ("_C::onednn_mm", "neuron_serve::skinny_matmul"):
         return "matmul"
     if name == "aten::bmm":
         return "tiles"

@@ -16,6 +16,7 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from neuron_serve import device
 from neuron_serve.logs import init_logger
+from neuron_serve.model_runner import packed_linear
 from neuron_serve.model_runner.runner import NeuronModelRunner
 from neuron_serve.profiler import StepProfiler
 
@@ -56,7 +57,9 @@ class NeuronWorker(WorkerBase):
         if explicit:
             return int(explicit)
         dev = device.current()
-        weights = sum(p.numel() * p.element_size() for p in self.model_runner.model.parameters())
+        model = self.model_runner.model
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        weights += packed_linear.packed_weight_bytes(model)  # prepacked copies, if any
         scratch = self.model_runner.config.attention_scratch_bytes(self._kv_heads_and_head_size())
         budget = dev.total_memory_bytes() * self.cache_config.gpu_memory_utilization
         available = int(budget - weights - scratch)

@@ -47,7 +47,12 @@ def test_packed_layers_match_plain_matmuls_eager_and_compiled(rows):
 
     assert packed_linear.pack_linear_layers(model) == 2
     # Rows up to MAX_ROWS run on the skinny kernel where the CPU has AVX2, more on oneDNN.
-    assert hasattr(model.proj, "skinny_weight") == skinny_matmul.cpu_supported()
+    skinny = skinny_matmul.cpu_supported()
+    assert hasattr(model.proj, "skinny_weight") == skinny
+    # The KV-cache budget counts both copies: oneDNN's, and the skinny kernel's padded to
+    # 16-column blocks (96 -> 96, 200 -> 208 outputs).
+    expected_bytes = 4 * (96 * 64 + 200 * 96) + skinny * 4 * (96 * 64 + 208 * 96)
+    assert packed_linear.packed_weight_bytes(model) == expected_bytes
     assert model.proj.weight.numel() == 0  # released: the packed copy is the only one
     assert torch.equal(model.head.weight, w2)  # a tied head still looks embeddings up
     torch.testing.assert_close(model(x), expected, rtol=1e-4, atol=1e-4)

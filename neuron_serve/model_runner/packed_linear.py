@@ -115,8 +115,21 @@ def pack_linear_layers(model: nn.Module, skinny: bool | None = None) -> int:
             module.register_buffer("skinny_weight", skinny_matmul.pack_weight(weight.detach()),
                                    persistent=False)
         module.packed_handler = handler  # owns the oneDNN primitive, freed with the layer
+        module.packed_bytes = weight.numel() * weight.element_size()  # oneDNN's copy
         module.quant_method = methods[type(method)](handler.n)
         if type(method) is UnquantizedLinearMethod:  # an embedding still looks rows up
             module.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
         packed += 1
     return packed
+
+
+def packed_weight_bytes(model: nn.Module) -> int:
+    """Memory the packed weights hold outside the model's parameters: oneDNN's copy of each
+    layer and the skinny kernel's."""
+    total = 0
+    for module in model.modules():
+        total += getattr(module, "packed_bytes", 0)
+        skinny = getattr(module, "skinny_weight", None)
+        if skinny is not None:
+            total += skinny.numel() * skinny.element_size()
+    return total
