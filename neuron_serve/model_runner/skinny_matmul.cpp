@@ -100,7 +100,8 @@ at::Tensor skinny_matmul(const at::Tensor& x_in, const at::Tensor& weight_blocks
   const at::Tensor x = x_in.contiguous();
   const int64_t rows = x.size(0), in_features = x.size(1);
   const int64_t blocks = (out_features + kBlock - 1) / kBlock;
-  TORCH_CHECK(weight_blocks.is_contiguous() && weight_blocks.dim() == 3 &&
+  TORCH_CHECK(weight_blocks.scalar_type() == at::kFloat && weight_blocks.is_contiguous() &&
+                  weight_blocks.dim() == 3 &&
                   weight_blocks.size(0) == blocks && weight_blocks.size(1) == in_features &&
                   weight_blocks.size(2) == kBlock,
               "skinny_matmul: weight blocks ", weight_blocks.sizes(), " do not fit x ",
