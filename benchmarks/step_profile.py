@@ -31,7 +31,8 @@ def classify(name: str) -> str | None:
         return "matmul"
     if name == "aten::bmm":
         return "tiles"
-    if name.startswith("graph_") and "cpp_fused" in name:
+    # Kernels of a decoder layer compiled once (compile_regions.py) carry no graph_ prefix.
+    if "cpp_fused" in name:
         return "attention" if "softmax" in name else "other"
     return None
 
