@@ -56,6 +56,8 @@ def test_a_weight_that_does_not_fit_is_refused():
         skinny_matmul.skinny_matmul(torch.randn(2, 8), blocks, None, 40)
     with pytest.raises(RuntimeError, match="do not fit"):
         skinny_matmul.skinny_matmul(torch.randn(2, 8), blocks.double(), None, 32)
+    with pytest.raises(RuntimeError, match="bias must be float32"):
+        skinny_matmul.skinny_matmul(torch.randn(2, 8), blocks, torch.randn(31), 32)
     with pytest.raises(RuntimeError, match="float32"):
         skinny_matmul.skinny_matmul(torch.randn(2, 8, dtype=torch.float64), blocks, None, 32)
 

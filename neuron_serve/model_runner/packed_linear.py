@@ -88,15 +88,14 @@ def supported() -> bool:
     return hasattr(torch.ops._C, "create_onednn_mm_handler")
 
 
-def pack_linear_layers(model: nn.Module, skinny: bool | None = None) -> int:
+def pack_linear_layers(model: nn.Module) -> int:
     """Run every unquantized fp32 linear (and a tied LM head) on a prepacked oneDNN matmul,
-    and at decode sizes on the skinny kernel (`skinny`: default where the CPU has AVX2);
-    returns the number of layers packed."""
+    and at decode sizes on the skinny kernel where the CPU has AVX2; returns the number of
+    layers packed."""
     import vllm._custom_ops as ops
 
     _register_lowering()
-    if skinny is None:
-        skinny = skinny_matmul.cpu_supported()
+    skinny = skinny_matmul.cpu_supported()
     if skinny:
         skinny_matmul.load()
 

@@ -9,7 +9,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
@@ -106,12 +105,15 @@ at::Tensor skinny_matmul(const at::Tensor& x_in, const at::Tensor& weight_blocks
                   weight_blocks.size(2) == kBlock,
               "skinny_matmul: weight blocks ", weight_blocks.sizes(), " do not fit x ",
               x.sizes(), " and ", out_features, " outputs");
-  at::Tensor bias_padded;
+  at::Tensor bias_tensor;
   const float* bias = nullptr;
   if (bias_in.has_value() && bias_in->defined()) {
-    bias_padded = at::zeros({blocks * kBlock}, x.options());
-    bias_padded.narrow(0, 0, out_features).copy_(*bias_in);
-    bias = bias_padded.const_data_ptr<float>();
+    TORCH_CHECK(bias_in->dim() == 1 && bias_in->size(0) == out_features &&
+                    bias_in->scalar_type() == at::kFloat,
+                "skinny_matmul: bias must be float32 [", out_features, "], got ",
+                bias_in->sizes());
+    bias_tensor = bias_in->contiguous();
+    bias = bias_tensor.const_data_ptr<float>();
   }
   at::Tensor y = at::empty({rows, out_features}, x.options());
   const float* xp = x.const_data_ptr<float>();
@@ -125,11 +127,17 @@ at::Tensor skinny_matmul(const at::Tensor& x_in, const at::Tensor& weight_blocks
     for (int64_t b = first; b < last; ++b) {
       const int64_t columns = std::min(kBlock, out_features - b * kBlock);
       const float* block = wp + b * in_features * kBlock;
+      // The last block's bias, padded with zeros, so the tile reads 16 values everywhere.
+      alignas(32) float bias_tail[kBlock] = {};
+      const float* block_bias = bias ? bias + b * kBlock : nullptr;
+      if (bias && columns < kBlock) {
+        std::memcpy(bias_tail, block_bias, columns * sizeof(float));
+        block_bias = bias_tail;
+      }
       for (int64_t t = 0, row = 0; t < tiles; ++t) {
         const int64_t height = (rows - row) / (tiles - t);
-        kTiles[height](xp + row * in_features, in_features, block,
-                       bias ? bias + b * kBlock : nullptr, yp + row * out_features + b * kBlock,
-                       out_features, columns);
+        kTiles[height](xp + row * in_features, in_features, block, block_bias,
+                       yp + row * out_features + b * kBlock, out_features, columns);
         row += height;
       }
     }

@@ -34,7 +34,7 @@ _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 
 def cpu_supported() -> bool:
     """The kernel needs AVX2 and FMA (every x86 CPU torch rates AVX2 or better has both)."""
-    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512", "AVX512_BF16")
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
 @functools.cache
