@@ -63,10 +63,22 @@ async def _unless_disconnected(request: Request, work: Awaitable) -> Response:
     return task.result() if not task.cancelled() else Response(status_code=CLIENT_DISCONNECTED)
 
 
+class EventStream(StreamingResponse):
+    """Server-sent events whose generator is closed however the response ends. Starlette
+    cancels a stream whose client left; when that lands while a chunk is being sent, the
+    generator stays suspended and its engine request would run on until garbage collection."""
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
 async def _generation(request: Request, service: GenerationService, req, request_id: str):
-    if req.stream:  # Starlette cancels the stream on disconnect
-        return StreamingResponse(await service.stream(req, request_id),
-                                 media_type="text/event-stream")
+    if req.stream:  # closing the event generator aborts the request in the engine
+        return EventStream(await service.stream(req, request_id))
     return await _unless_disconnected(request, service.complete(req, request_id))
 
 
