@@ -83,13 +83,23 @@ def run(config) -> list[dict]:
     return rows_out
 
 
+def _machine() -> str:
+    import os
+
+    from hardware import _cpu_facts
+    return f"{_cpu_facts()[0]}, {os.cpu_count()} cores, {torch.backends.cpu.get_cpu_capability()}"
+
+
 def markdown(model: str, rows: list[dict]) -> str:
+    from neuron_serve.model_runner import skinny_matmul
+
     lines = [f"# Linear layers of {model}: aten GEMM, prepacked oneDNN, skinny kernel", "",
              "Command: `benchmarks/linear_bench.py --model " + model + "`  ",
              f"torch threads {torch.get_num_threads()}, fp32, median of 3 rounds (each a "
              "median of 5) taking turns. GB/s counts weight bytes read once; \"sum GB/s\" is "
              "a plain sum of as many bytes, the memory's pace in the same round. The emulated "
-             "backend runs the skinny kernel up to `skinny_matmul.MAX_ROWS` rows, oneDNN above.",
+             "backend runs the skinny kernel up to `skinny_matmul.max_rows()` rows, oneDNN "
+             f"above: {skinny_matmul.max_rows()} on this CPU ({_machine()}).",
              "",
              "| weight | rows | aten ms | packed ms | skinny ms | packed ÷ skinny | "
              "packed GB/s | skinny GB/s | sum GB/s | best GFLOP/s |",
@@ -114,7 +124,8 @@ def main() -> None:
     import transformers
     config = transformers.AutoConfig.from_pretrained(checkpoint(args.model))
     text = markdown(args.model, run(config))
-    out = Path(args.out) / f"linear_kernels-{args.model}.md"
+    isa = torch.backends.cpu.get_cpu_capability().lower()
+    out = Path(args.out) / f"linear_kernels-{args.model}-{isa}.md"
     out.write_text(text)
     print(text + f"\nwritten: {out}")
 

@@ -73,7 +73,7 @@ class Device:
     def prepare_model(self, model: torch.nn.Module) -> None:
         """Per-device rewrites of a loaded model. Emulated: linear layers on oneDNN with
         prepacked weights (3-4.6x aten's CPU GEMM at decode sizes, 2.3-2.9x at 256 rows),
-        decode-sized ones on our AVX2 kernel (skinny_matmul.py), and each stack of decoder
+        decode-sized ones on our own kernel (skinny_matmul.py), and each stack of decoder
         layers compiled once per graph (compile_regions.py)."""
         if self.packed_linear:
             from neuron_serve.model_runner import packed_linear
@@ -94,7 +94,8 @@ class Device:
         from neuron_serve.model_runner import skinny_matmul
         if not self.packed_linear:
             return "aten"
-        return "onednn-packed+skinny" if skinny_matmul.cpu_supported() else "onednn-packed"
+        rows = skinny_matmul.max_rows()
+        return f"onednn-packed+skinny<={rows}" if rows else "onednn-packed"
 
     def compile_options(self) -> dict:
         """Everything besides the traced program that decides the compiled code: part of

@@ -46,7 +46,7 @@ def test_packed_layers_match_plain_matmuls_eager_and_compiled(rows):
     expected = torch.relu(x @ w1.T + b1) @ w2.T
 
     assert packed_linear.pack_linear_layers(model) == 2
-    # Rows up to MAX_ROWS run on the skinny kernel where the CPU has AVX2, more on oneDNN.
+    # Rows up to max_rows() run on the skinny kernel where the CPU has AVX2, more on oneDNN.
     skinny = skinny_matmul.cpu_supported()
     assert hasattr(model.proj, "skinny_weight") == skinny
     # The KV-cache budget counts both copies: oneDNN's, and the skinny kernel's padded to

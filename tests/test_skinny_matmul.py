@@ -1,5 +1,5 @@
 """The decode matmul kernel (emulated backend, skinny_matmul.cpp) against `x @ W.T + b`:
-every row-tile height, widths that are not a multiple of its 16-column blocks, eager and
+every row-tile height of its AVX2 and its AVX-512 tiles, widths that are not a multiple of its 16-column blocks, eager and
 compiled, and the errors it gives for weights that do not fit."""
 
 import os
@@ -19,9 +19,19 @@ def kernel():
     skinny_matmul.load()
 
 
+@pytest.fixture(params=["avx2", "avx512"])
+def isa(request):
+    """Each set of tiles, whatever this CPU would pick: AVX-512 where it has it."""
+    avx2_only = request.param == "avx2"
+    if torch.ops.neuron_serve.skinny_matmul_isa(avx2_only) != request.param:
+        pytest.skip("this CPU has no AVX-512")
+    yield request.param
+    torch.ops.neuron_serve.skinny_matmul_isa(False)
+
+
 @pytest.mark.parametrize("out_features,in_features", [(96, 64), (200, 96), (37, 5), (17, 1)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 8, 13, 16, 32, 65])
-def test_matches_plain_matmul(rows, out_features, in_features):
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 8, 13, 16, 24, 25, 32, 65])
+def test_matches_plain_matmul(rows, out_features, in_features, isa):
     torch.manual_seed(rows * 1000 + out_features)
     weight = torch.randn(out_features, in_features)
     bias = torch.randn(out_features)

@@ -3,12 +3,13 @@
 aten's CPU GEMM re-packs the weight on every call and streams it at 10-20 GB/s at decode
 sizes: on the SmolLM2 shape, 30 layers' gate_up take 20.5 ms at 8 rows through aten and
 4.9 ms through a oneDNN matmul on a prepacked weight, 175 vs 60 ms at 256 rows
-(benchmarks/linear_bench.py, results/linear_kernels-smollm2-135m.md). vLLM's CPU
+(benchmarks/linear_bench.py on a 2-core AVX-512 AMD EPYC; results/linear_kernels-* hold
+later runs). vLLM's CPU
 extension builds those matmuls (`create_onednn_mm_handler`); the handle is a tensor buffer
 of the layer, so a compiled graph reads it at run time and holds no pointer, and the
 cached graphs stay free of weights and process state.
 
-Steps of at most `skinny_matmul.MAX_ROWS` rows (decode) run on our AVX2 kernel instead,
+Steps of at most `skinny_matmul.max_rows()` rows (decode) run on our own kernel instead,
 which streams the weight faster at those sizes (skinny_matmul.py); each layer then keeps
 that kernel's copy of the weight beside oneDNN's.
 """
@@ -62,14 +63,15 @@ class _PackedApply:
     """`apply` on the packed matmul. Plain picklable state only: compiled graphs serialize
     the method objects they call."""
 
-    def __init__(self, out_features: int) -> None:
+    def __init__(self, out_features: int, skinny_rows: int) -> None:
         super().__init__()
         self.out_features = out_features
+        self.skinny_rows = skinny_rows  # steps of up to this many rows: the skinny kernel
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None):
         rows = x.reshape(-1, x.shape[-1])
         # A graph's row count is its bucket's, so each graph calls one kernel per layer.
-        if rows.shape[0] <= skinny_matmul.MAX_ROWS and hasattr(layer, "skinny_weight"):
+        if rows.shape[0] <= self.skinny_rows:
             out = skinny_matmul.skinny_matmul(rows, layer.skinny_weight, bias, self.out_features)
         else:
             out = packed_linear(rows, bias, layer.packed_handle, self.out_features)
@@ -95,8 +97,8 @@ def pack_linear_layers(model: nn.Module) -> int:
     import vllm._custom_ops as ops
 
     _register_lowering()
-    skinny = skinny_matmul.cpu_supported()
-    if skinny:
+    skinny_rows = skinny_matmul.max_rows()
+    if skinny_rows:
         skinny_matmul.load()
 
     methods = {UnquantizedLinearMethod: PackedLinearMethod,
@@ -110,12 +112,12 @@ def pack_linear_layers(model: nn.Module) -> int:
             continue
         handler = ops.create_onednn_mm(weight.detach().t(), 32)
         module.register_buffer("packed_handle", handler.handler_tensor, persistent=False)
-        if skinny:
+        if skinny_rows:
             module.register_buffer("skinny_weight", skinny_matmul.pack_weight(weight.detach()),
                                    persistent=False)
         module.packed_handler = handler  # owns the oneDNN primitive, freed with the layer
         module.packed_bytes = weight.numel() * weight.element_size()  # oneDNN's copy
-        module.quant_method = methods[type(method)](handler.n)
+        module.quant_method = methods[type(method)](handler.n, skinny_rows)
         if type(method) is UnquantizedLinearMethod:  # an embedding still looks rows up
             module.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
         packed += 1

@@ -1,13 +1,18 @@
-"""Emulated backend: the matmuls of decode steps (a few rows) on our AVX2 kernel.
+"""Emulated backend: the matmuls of decode steps (a few rows) on our own kernel.
 
 At 1-8 rows a matmul reads every weight once and does little else, so its speed is the
-speed the weight streams from memory. On a 2-core AMD EPYC (Zen 3, AVX2) where a plain sum
-reads 17-23 GB/s, oneDNN's matmul on a prepacked weight streams SmolLM2's weights at
-7-13 GB/s at 1 row; `skinny_matmul.cpp` at 14-20 GB/s. Per weight shape it is 1.4-1.9x
-oneDNN at 1 row, 1.4-1.6x at 8, 1.1-1.5x at 16-32, 1.0-1.35x at 64 and 0.9-1.05x at 256
-(`benchmarks/linear_bench.py`, results/linear_kernels-smollm2-135m.md). So steps of up to
-MAX_ROWS rows run on it, larger ones on oneDNN; each linear keeps both weight layouts,
-twice the weight memory.
+speed the weight streams from memory. Per weight shape of SmolLM2, all layers
+(`benchmarks/linear_bench.py`, results/linear_kernels-smollm2-135m-<isa>.md):
+
+* 2-core AMD EPYC (Zen 3, AVX2; a plain sum reads 17-23 GB/s): oneDNN's matmul on a
+  prepacked weight streams the weights at 7-13 GB/s at 1 row, `skinny_matmul.cpp` at
+  14-20 GB/s. The kernel is 1.4-1.9x oneDNN at 1 row, 1.4-1.6x at 8, 1.1-1.5x at 16-32,
+  1.0-1.35x at 64 and 0.9-1.05x at 256.
+* 2-core Intel Xeon (Emerald Rapids, AVX-512), where oneDNN runs AVX-512 kernels of its own:
+  the kernel's AVX-512 tile is 1.0-1.4x oneDNN at 1 row and 0.6-1.35x from 2 rows on.
+
+So steps of up to `max_rows()` rows run on it, larger ones on oneDNN; each linear keeps
+both weight layouts, twice the weight memory.
 
 The kernel is built with torch's extension builder on first use (~20 s; the venv setup
 builds it ahead) and kept in $NEURON_SERVE_KERNEL_DIR.
@@ -26,15 +31,21 @@ import torch
 
 from neuron_serve import envs
 
-MAX_ROWS = 64  # beyond, oneDNN's blocked GEMM catches up (see the module docstring)
+# Steps of up to this many rows run on the kernel, by torch's CPU capability (see above).
+_MAX_ROWS = {"AVX2": 64, "AVX512": 1}
 _BLOCK = 16  # output columns per weight block; kBlock in the C++ source
 _SOURCE = Path(__file__).with_suffix(".cpp")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 
 
+def max_rows() -> int:
+    """Steps of up to this many rows run on the kernel on this CPU; 0 without AVX2."""
+    return _MAX_ROWS.get(torch.backends.cpu.get_cpu_capability(), 0)
+
+
 def cpu_supported() -> bool:
     """The kernel needs AVX2 and FMA (every x86 CPU torch rates AVX2 or better has both)."""
-    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    return max_rows() > 0
 
 
 @functools.cache
