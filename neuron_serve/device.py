@@ -105,7 +105,7 @@ class Device:
             # Inductor bakes the OpenMP thread count and the vector ISA into each kernel.
             options.update(threads=torch.get_num_threads(),
                            isa=torch.backends.cpu.get_cpu_capability(),
-                           linear=self._linear_kernels())
+                           linear=self._linear_kernels(), attention=self.attention_kernel)
         return options
 
     def total_memory_bytes(self) -> int:
@@ -132,8 +132,10 @@ def current() -> Device:
 
 
 def _emulated_device() -> Device:
+    from neuron_serve.model_runner import cpu_extension
     return Device(backend="emulated", torch_device=torch.device("cpu"),
-                  compile_backend="inductor", attention_kernel="reference",
+                  compile_backend="inductor",
+                  attention_kernel="cpu" if cpu_extension.cpu_supported() else "reference",
                   native_bf16=cpu_has_native_bf16(), dispatch_key="CPU")
 
 

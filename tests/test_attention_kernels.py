@@ -1,11 +1,21 @@
-"""Reference paged-attention kernels against a naive dense attention, over a shape sweep."""
+"""Paged-attention kernel sets (the reference one, and the emulated backend's "cpu" one with
+its C++ kernel for tokens that attend on their own) against a naive dense attention, over a
+shape sweep."""
 
 import math
 
 import pytest
 import torch
 
-from neuron_serve.attention.kernels import QueryTiles, ragged_paged_attention, write_kv
+from neuron_serve.attention import kernels
+from neuron_serve.attention.kernels import QueryTiles, write_kv
+from neuron_serve.model_runner import cpu_extension
+
+
+@pytest.fixture(params=["reference", pytest.param("cpu", marks=pytest.mark.skipif(
+    not cpu_extension.cpu_supported(), reason="the C++ kernels need AVX2"))])
+def ragged_paged_attention(request):
+    return kernels.get(request.param).ragged_paged_attention
 
 
 def naive_attention(q, k, v, pos, scale, window=None, soft_cap=None):
@@ -59,12 +69,13 @@ CASES = [  # seq_lens, query_lens: decodes, prefill chunks with and without pref
 
 
 @pytest.mark.parametrize("seq_lens,query_lens", CASES)
-@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 2), (8, 1)])  # GQA ratios 1, 2, 4, 8
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 2), (8, 2), (8, 1)])  # GQA 1, 2, 3, 4, 8
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (6, None), (None, 5.0)])
-def test_matches_naive_attention(seq_lens, query_lens, heads, block_size, window, soft_cap):
+@pytest.mark.parametrize("head_size", [64, 128])
+def test_matches_naive_attention(seq_lens, query_lens, heads, block_size, window, soft_cap,
+                                 head_size, ragged_paged_attention):
     num_heads, num_kv_heads = heads
-    head_size = 16
     query, kv_cache, table, req_of, pos_of, dense, n = make_case(
         0, seq_lens, query_lens, num_heads, num_kv_heads, head_size, block_size)
     scale = head_size ** -0.5
@@ -115,11 +126,11 @@ def test_padded_step_leaves_real_kv_untouched():
 
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (6, None), (None, 5.0)])
-def test_compiled_kernel_matches_naive_attention(heads, window, soft_cap):
+def test_compiled_kernel_matches_naive_attention(heads, window, soft_cap, ragged_paged_attention):
     """Under torch.compile the kernel takes its fused form (kernels._fused_attention)."""
     num_heads, num_kv_heads = heads
     query, kv_cache, table, req_of, pos_of, dense, n = make_case(
-        1, [40, 12, 7], [8, 1, 7], num_heads, num_kv_heads, 16, 16)
+        1, [40, 12, 7], [8, 1, 7], num_heads, num_kv_heads, 64, 16)
     fn = torch.compile(ragged_paged_attention, fullgraph=True, dynamic=False, backend="inductor")
     out = fn(query, kv_cache, table, req_of, pos_of, 0.25, window, soft_cap)
     expected = torch.stack([naive_attention(query[t], *dense[req_of[t]], int(pos_of[t]), 0.25,
@@ -143,7 +154,7 @@ def tiled_case(seed, seq_lens, query_lens, heads, block_size, query_tile):
     from neuron_serve.model_runner.buckets import Bucket
 
     num_heads, num_kv_heads = heads
-    case = make_case(seed, seq_lens, query_lens, num_heads, num_kv_heads, 16, block_size)
+    case = make_case(seed, seq_lens, query_lens, num_heads, num_kv_heads, 64, block_size)
     num_scheduled = np.array(query_lens)
     n = case[-1]
     for num_tokens in range(n + 3, 4 * n):  # the case's 3 padding tokens, then more
@@ -172,7 +183,7 @@ def tiled_case(seed, seq_lens, query_lens, heads, block_size, query_tile):
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (6, None), (None, 5.0)])
 @pytest.mark.parametrize("compiled", [False, True])
 def test_query_tiled_attention_matches_naive_attention(seq_lens, query_lens, heads, window,
-                                                       soft_cap, compiled):
+                                                       soft_cap, compiled, ragged_paged_attention):
     args, tiles, used, dense, n = tiled_case(2, seq_lens, query_lens, heads, 16, query_tile=8)
     assert used["tile_req"] > 0 and used["single_token"] > 0  # both paths carry real tokens
     fn = ragged_paged_attention

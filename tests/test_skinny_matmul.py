@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from neuron_serve.model_runner import skinny_matmul
+from neuron_serve.model_runner import cpu_extension, skinny_matmul
 
-pytestmark = pytest.mark.skipif(not skinny_matmul.cpu_supported(), reason="needs AVX2")
+pytestmark = pytest.mark.skipif(not cpu_extension.cpu_supported(), reason="needs AVX2")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -75,8 +75,8 @@ def test_a_weight_that_does_not_fit_is_refused():
 def test_a_build_is_reused_and_never_half_written(tmp_path):
     """A fresh kernel directory gets one finished library and nothing else (the build ran
     in a private directory); a second process loads that file without building again."""
-    code = ("from neuron_serve.model_runner import skinny_matmul as s; s.load(); "
-            "print(s._library_path().name)")
+    code = ("from neuron_serve.model_runner import cpu_extension as c; c.load(); "
+            "print(c.library_path().name)")
     env = {**os.environ, "NEURON_SERVE_KERNEL_DIR": str(tmp_path)}
 
     def load_in_new_process() -> str:

@@ -141,10 +141,10 @@ def setup_venv(venv: Path, with_tests: bool) -> None:
                    check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     write_vllm_alias(venv_py)
     run(venv_py, "-c", "import transformers, vllm, neuron_serve")
-    # The emulated backend's decode matmul is C++ built on first use; build it now (~20 s)
+    # The emulated backend's C++ kernels are built on first use; build them now (~20 s)
     # so the first server start or test does not.
-    run(venv_py, "-c", "from neuron_serve.model_runner import skinny_matmul as s; "
-        "s.cpu_supported() and s.load()")
+    run(venv_py, "-c", "from neuron_serve.model_runner import cpu_extension as c; "
+        "c.cpu_supported() and c.load()")
     print(f"environment ready in {time.monotonic() - start:.0f} s: {venv}", flush=True)
 
 

@@ -53,7 +53,8 @@ def ragged_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                            token_pos: torch.Tensor, scale: float,
                            sliding_window: int | None = None,
                            soft_cap: float | None = None,
-                           tiles: QueryTiles | None = None) -> torch.Tensor:
+                           tiles: QueryTiles | None = None,
+                           attend_tokens: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention of a flat ragged batch over the paged KV cache.
 
     Token t belongs to request token_req[t] and sits at position token_pos[t]; it attends
@@ -69,22 +70,26 @@ def ragged_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
         token_pos: [T] position of each token in its request.
         tiles: the step's tokens packed into query tiles (QueryTiles), or None: every
             token attends on its own.
+        attend_tokens: the kernel for tokens that attend on their own (the arguments of
+            `attend_each_token`, its default); a kernel set may bring a faster one.
     Returns:
         [T, H, D] attention output.
     """
+    attend_tokens = attend_tokens or attend_each_token
     if tiles is None:
-        return _attend_tokens(query, kv_cache, block_table, token_req, token_pos, scale,
-                              sliding_window, soft_cap)
+        return attend_tokens(query, kv_cache, block_table, token_req, token_pos, scale,
+                             sliding_window, soft_cap)
     single = tiles.single_token
-    outputs = [_attend_tokens(query[single], kv_cache, block_table, token_req[single],
+    outputs = [attend_tokens(query[single], kv_cache, block_table, token_req[single],
                               token_pos[single], scale, sliding_window, soft_cap),
                _attend_tiles(query, kv_cache, block_table, token_pos, tiles, scale,
                              sliding_window, soft_cap)]
     return torch.cat(outputs)[tiles.token_slot]
 
 
-def _attend_tokens(query, kv_cache, block_table, token_req, token_pos, scale, sliding_window,
-                   soft_cap):
+def attend_each_token(query, kv_cache, block_table, token_req, token_pos, scale,
+                      sliding_window, soft_cap):
+    """Each token over its own request's context (the block table gathered per token)."""
     num_tokens, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = kv_cache.shape
     ctx = kv_cache[block_table[token_req]]  # [T, B, block_size, H_kv, 2D]
@@ -157,8 +162,14 @@ def _matmul_attention(q, key, value, visible, scale, soft_cap):
     return torch.einsum("tkgc,tckd->tkgd", torch.softmax(scores, dim=-1), value)
 
 
+def _cpu_kernels() -> KernelSet:
+    from neuron_serve.attention import cpu_kernels
+    return cpu_kernels.kernel_set()
+
+
 _REGISTRY: dict[str, Callable[[], KernelSet]] = {
     "reference": lambda: KernelSet(write_kv, ragged_paged_attention),
+    "cpu": _cpu_kernels,
 }
 
 

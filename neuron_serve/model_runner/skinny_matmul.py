@@ -14,28 +14,20 @@ speed the weight streams from memory. Per weight shape of SmolLM2, all layers
 So steps of up to `max_rows()` rows run on it, larger ones on oneDNN; each linear keeps
 both weight layouts, twice the weight memory.
 
-The kernel is built with torch's extension builder on first use (~20 s; the venv setup
-builds it ahead) and kept in $NEURON_SERVE_KERNEL_DIR.
+The kernel is part of the emulated backend's C++ library (cpu_extension.py).
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-from neuron_serve import envs
+from neuron_serve.model_runner import cpu_extension
 
 # Steps of up to this many rows run on the kernel, by torch's CPU capability (see above).
 _MAX_ROWS = {"AVX2": 64, "AVX512": 1}
 _BLOCK = 16  # output columns per weight block; kBlock in the C++ source
-_SOURCE = Path(__file__).with_suffix(".cpp")
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 
 
 def max_rows() -> int:
@@ -43,50 +35,17 @@ def max_rows() -> int:
     return _MAX_ROWS.get(torch.backends.cpu.get_cpu_capability(), 0)
 
 
-def cpu_supported() -> bool:
-    """The kernel needs AVX2 and FMA (every x86 CPU torch rates AVX2 or better has both)."""
-    return max_rows() > 0
+def load() -> None:
+    """Load the kernel library (cpu_extension.py), building it first if needed."""
+    cpu_extension.load()
+    _register_fake()
 
 
 @functools.cache
-def load() -> None:
-    """Load the kernel, building it first if this source and torch have no build yet in
-    $NEURON_SERVE_KERNEL_DIR; registers `torch.ops.neuron_serve.skinny_matmul`."""
-    library = _library_path()
-    if library.exists():
-        torch.ops.load_library(str(library))
-    else:
-        _build_and_load(library)
-
+def _register_fake() -> None:
     @torch.library.register_fake("neuron_serve::skinny_matmul")
     def _(x, weight_blocks, bias, out_features):
         return x.new_empty((x.shape[0], out_features))
-
-
-def _library_path() -> Path:
-    digest = hashlib.sha256(_SOURCE.read_bytes())
-    digest.update(" ".join(_FLAGS + [torch.__version__]).encode())
-    return Path(envs.NEURON_SERVE_KERNEL_DIR) / f"skinny_matmul-{digest.hexdigest()[:16]}.so"
-
-
-def _build_and_load(library: Path) -> None:
-    """Build in a private directory, then move the library into place in one rename: a
-    concurrent process never sees half a file, and a finished build is only ever read
-    (a read-only image can ship it)."""
-    from torch.utils import cpp_extension
-
-    library.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        with tempfile.TemporaryDirectory(dir=library.parent) as build:
-            built = cpp_extension.load(  # also loads it
-                name="neuron_serve_skinny_matmul", sources=[str(_SOURCE)], build_directory=build,
-                extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], is_python_module=False)
-            os.replace(built, library)
-    except (RuntimeError, OSError, subprocess.CalledProcessError) as error:
-        raise RuntimeError(
-            f"could not build the emulated backend's decode matmul ({_SOURCE.name}) in "
-            f"{library.parent}: {error}. It needs g++ with AVX2 support, as torch.compile "
-            "does, and a writable NEURON_SERVE_KERNEL_DIR.") from error
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
