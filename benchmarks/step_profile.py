@@ -6,9 +6,10 @@ Runs our engine (compiled; graph cache off, so every graph is built with inducto
 profiling) with compare.py's engine settings, records one generate per batch size with the
 worker's step profiler, and splits every compiled step into matmuls (the linear layers and
 the LM head, on oneDNN or the skinny kernel), attention (our paged-attention kernels:
-inductor's fused softmax kernels and the query tiles' batched matmuls) and everything
+paged_attention.cpp, inductor's fused softmax kernels and the query tiles' batched
+matmuls) and everything
 else. A step with tile matmuls is a mixed (prefill) step, one without a decode step.
-Prints a markdown table and writes it to benchmarks/results/step_profile-<model>.md.
+Prints a markdown table and writes it to benchmarks/results/step_profile-<model>-<isa>.md.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ def classify(name: str) -> str | None:
         return "matmul"
     if name == "aten::bmm":
         return "tiles"
+    if name == "neuron_serve::paged_attention":  # the "cpu" kernel set's decode attention
+        return "attention"
     # Kernels of a decoder layer compiled once (compile_regions.py) carry no graph_ prefix.
     if "cpp_fused" in name:
         return "attention" if "softmax" in name else "other"
@@ -118,7 +121,9 @@ def main() -> None:
             results[batch] = summarize(split_steps(trace))
     text = markdown(args.model, results, args.prompt, args.output)
     print(text)
-    (HERE / "results" / f"step_profile-{args.model}.md").write_text(text + "\n")
+    import torch
+    isa = torch.backends.cpu.get_cpu_capability().lower()
+    (HERE / "results" / f"step_profile-{args.model}-{isa}.md").write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -42,9 +42,10 @@ def test_step_profile_splits_each_compiled_step_by_kernel_kind(tmp_path):
 
     call = lambda ts, dur: {"name": "## Call CompiledFxGraph abc", "ts": ts, "dur": dur}  # noqa: E731
     kernel = lambda name, ts, dur: {"name": name, "ts": ts, "dur": dur}  # noqa: E731
-    # A decode step: the skinny kernel's matmuls, and a decoder layer compiled once, whose
-    # kernels have no graph_ prefix.
+    # A decode step: the skinny kernel's matmuls, our C++ attention, and a decoder layer
+    # compiled once, whose kernels have no graph_ prefix.
     events = [call(0, 10_000), kernel("neuron_serve::skinny_matmul", 100, 4000),
+              kernel("neuron_serve::paged_attention", 4200, 700),
               kernel("cpp_fused_index_put_softmax_7", 5000, 3000),
               kernel("graph_0_cpp_fused_add_mul_rsqrt_2", 8500, 500),
               call(20_000, 30_000), kernel("_C::onednn_mm", 20_100, 12_000),
@@ -53,6 +54,6 @@ def test_step_profile_splits_each_compiled_step_by_kernel_kind(tmp_path):
     (tmp_path / "t.json").write_text(json.dumps({"traceEvents": events}))
     steps = split_steps(str(tmp_path / "t.json"))
     assert [(s["ms"], s["matmul"], s["attention"], s["other"]) for s in steps] == [
-        (10.0, 4.0, 3.0, 0.5), (30.0, 12.0, 8.0, 0.0)]
+        (10.0, 4.0, 3.7, 0.5), (30.0, 12.0, 8.0, 0.0)]
     rows = summarize(steps)
     assert rows["decode"]["steps"] == 1 and rows["mixed"]["attention"] == 8.0

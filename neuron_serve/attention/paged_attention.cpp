@@ -144,14 +144,20 @@ void attend(const float* q, const float* kv, const int64_t* blocks, int64_t firs
   std::vector<float>& probs = scratch.probs;
   std::vector<const float*>& row_at = scratch.rows;  // i-th visible position; then the last
   probs.resize(s.heads * n);
-  row_at.resize(n + 8);
-  for (int64_t i = 0; i < n + 8; ++i) {
+  row_at.resize(n + 16);
+  for (int64_t i = 0; i < n + 16; ++i) {
     const int64_t pos = first + std::min(i, n - 1);
     row_at[i] = kv + (blocks[pos / s.block_size] * s.block_size + pos % s.block_size) * row_floats;
   }
   const __m256 scale8 = _mm256_set1_ps(scale);
   for (int64_t i = 0; i < n; i += 8) {
     const float* const* rows = row_at.data() + i;
+    // The next 8 rows: blocks lie anywhere, and a row (1.5 KB for SmolLM2) spans pages
+    // faster than the hardware prefetchers pick a stream up (10 -> 12-14 GB/s from memory,
+    // 60 layers' worth of cache, 8-32 sequences at 192 positions).
+    for (int j = 8; j < 16 && i + j < n; ++j)
+      for (int64_t byte = 0; byte < row_floats * 4; byte += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(rows[j]) + byte, _MM_HINT_T0);
     for (int64_t h = 0; h < s.heads; ++h) {
       const int64_t key_offset = (h / group) * 2 * D;
       __m256 acc[8];
