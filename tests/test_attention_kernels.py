@@ -12,8 +12,10 @@ from neuron_serve.attention.kernels import QueryTiles, write_kv
 from neuron_serve.model_runner import cpu_extension
 
 
-@pytest.fixture(params=["reference", pytest.param("cpu", marks=pytest.mark.skipif(
-    not cpu_extension.cpu_supported(), reason="the C++ kernels need AVX2"))])
+NEEDS_AVX2 = pytest.mark.skipif(not cpu_extension.cpu_supported(), reason="the C++ kernels need AVX2")
+
+
+@pytest.fixture(params=["reference", pytest.param("cpu", marks=NEEDS_AVX2)])
 def ragged_paged_attention(request):
     return kernels.get(request.param).ragged_paged_attention
 
@@ -181,12 +183,14 @@ def tiled_case(seed, seq_lens, query_lens, heads, block_size, query_tile):
 @pytest.mark.parametrize("seq_lens,query_lens", TILED_CASES)
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (6, None), (None, 5.0)])
-@pytest.mark.parametrize("compiled", [False, True])
+# The "cpu" set differs only in its opaque single-token op, already checked compiled above.
+@pytest.mark.parametrize("kernel_set,compiled", [("reference", False), ("reference", True),
+                                                 pytest.param("cpu", False, marks=NEEDS_AVX2)])
 def test_query_tiled_attention_matches_naive_attention(seq_lens, query_lens, heads, window,
-                                                       soft_cap, compiled, ragged_paged_attention):
+                                                       soft_cap, kernel_set, compiled):
     args, tiles, used, dense, n = tiled_case(2, seq_lens, query_lens, heads, 16, query_tile=8)
     assert used["tile_req"] > 0 and used["single_token"] > 0  # both paths carry real tokens
-    fn = ragged_paged_attention
+    fn = kernels.get(kernel_set).ragged_paged_attention
     if compiled:
         torch._dynamo.reset()  # each case is a new shape: stay under dynamo's recompile limit
         fn = torch.compile(fn, fullgraph=True, dynamic=False, backend="inductor")
