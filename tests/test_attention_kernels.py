@@ -12,7 +12,8 @@ from neuron_serve.attention.kernels import QueryTiles, write_kv
 from neuron_serve.model_runner import cpu_extension
 
 
-NEEDS_AVX2 = pytest.mark.skipif(not cpu_extension.cpu_supported(), reason="the C++ kernels need AVX2")
+NEEDS_AVX2 = pytest.mark.skipif(not cpu_extension.cpu_supported(),
+                                reason="the C++ kernels need AVX2")
 
 
 @pytest.fixture(params=["reference", pytest.param("cpu", marks=NEEDS_AVX2)])

@@ -54,7 +54,8 @@ def ragged_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                            sliding_window: int | None = None,
                            soft_cap: float | None = None,
                            tiles: QueryTiles | None = None,
-                           attend_tokens: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+                           attend_tokens: Callable[..., torch.Tensor] | None = None
+                           ) -> torch.Tensor:
     """Causal attention of a flat ragged batch over the paged KV cache.
 
     Token t belongs to request token_req[t] and sits at position token_pos[t]; it attends

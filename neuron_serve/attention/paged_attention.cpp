@@ -172,7 +172,8 @@ void attend(const float* q, const float* kv, const int64_t* blocks, int64_t firs
       alignas(32) float scores[8];
       _mm256_store_ps(scores, _mm256_mul_ps(sum_each(acc), scale8));
       for (int64_t j = 0; j < std::min<int64_t>(8, n - i); ++j)
-        probs[h * n + i + j] = soft_cap > 0 ? soft_cap * std::tanh(scores[j] / soft_cap) : scores[j];
+        probs[h * n + i + j] =
+            soft_cap > 0 ? soft_cap * std::tanh(scores[j] / soft_cap) : scores[j];
     }
   }
   float norm[kMaxHeads];
@@ -241,7 +242,8 @@ at::Tensor paged_attention(const at::Tensor& query_in, const at::Tensor& kv_cach
   at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, pos[t] - sliding_window + 1) : 0;
+      const int64_t first =
+          sliding_window > 0 ? std::max<int64_t>(0, pos[t] - sliding_window + 1) : 0;
       const int64_t offset = t * s.heads * head_size;
       attend_token(q + offset, kv, table + req[t] * s.blocks_per_req, first, pos[t], s,
              static_cast<float>(scale), static_cast<float>(soft_cap), scratch, o + offset);

@@ -4,10 +4,9 @@ aten's CPU GEMM re-packs the weight on every call and streams it at 10-20 GB/s a
 sizes: on the SmolLM2 shape, 30 layers' gate_up take 20.5 ms at 8 rows through aten and
 4.9 ms through a oneDNN matmul on a prepacked weight, 175 vs 60 ms at 256 rows
 (benchmarks/linear_bench.py on a 2-core AVX-512 AMD EPYC; results/linear_kernels-* hold
-later runs). vLLM's CPU
-extension builds those matmuls (`create_onednn_mm_handler`); the handle is a tensor buffer
-of the layer, so a compiled graph reads it at run time and holds no pointer, and the
-cached graphs stay free of weights and process state.
+later runs). vLLM's CPU extension builds those matmuls (`create_onednn_mm_handler`); the
+handle is a tensor buffer of the layer, so a compiled graph reads it at run time and holds
+no pointer, and the cached graphs stay free of weights and process state.
 
 Steps of at most `skinny_matmul.max_rows()` rows (decode) run on our own kernel instead,
 which streams the weight faster at those sizes (skinny_matmul.py); each layer then keeps
@@ -92,8 +91,8 @@ def supported() -> bool:
 
 def pack_linear_layers(model: nn.Module) -> int:
     """Run every unquantized fp32 linear (and a tied LM head) on a prepacked oneDNN matmul,
-    and at decode sizes on the skinny kernel where the CPU has AVX2; returns the number of
-    layers packed."""
+    and steps of up to `skinny_matmul.max_rows()` rows on the skinny kernel; returns the
+    number of layers packed."""
     import vllm._custom_ops as ops
 
     _register_lowering()
