@@ -9,7 +9,8 @@ speed the weight streams from memory. Per weight shape of SmolLM2, all layers
   14-20 GB/s. The kernel is 1.4-1.9x oneDNN at 1 row, 1.4-1.6x at 8, 1.1-1.5x at 16-32,
   1.0-1.35x at 64 and 0.9-1.05x at 256.
 * 2-core Intel Xeon (Emerald Rapids, AVX-512), where oneDNN runs AVX-512 kernels of its own:
-  the kernel's AVX-512 tile is 1.0-1.4x oneDNN at 1 row and 0.6-1.35x from 2 rows on.
+  the kernel's AVX-512 tile is 0.94-1.31x oneDNN at 1 row (above 1 for all but the LM
+  head) and 0.68-1.49x from 2 rows on, below 1 for most shapes.
 
 So steps of up to `max_rows()` rows run on it, larger ones on oneDNN; each linear keeps
 both weight layouts, twice the weight memory.
