@@ -52,7 +52,7 @@ def _query_tiles(q_len: int, reqs: int, num_blocks: int):
         return None
     bucket = Bucket(q_len * reqs, reqs, num_blocks, QUERY_TILE)
     packed = query_tiles.pack(np.full(reqs, q_len), bucket)
-    single = np.zeros(bucket.single_token_slots, dtype=np.int64)  # padded, as in the step
+    single = np.full(bucket.single_token_slots, -1)  # unused slots, as in the step
     single[: len(packed["single_token"])] = packed["single_token"]
     return QueryTiles(*(torch.from_numpy(a) for a in (packed["tile_token"], packed["tile_req"],
                                                       single, packed["token_slot"])))

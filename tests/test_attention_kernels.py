@@ -149,15 +149,16 @@ TILED_CASES = [  # seq_lens, query_lens: whole tiles, leftovers in tiles and as 
 ]
 
 
-def tiled_case(seed, seq_lens, query_lens, heads, block_size, query_tile):
+def tiled_case(seed, seq_lens, query_lens, heads, head_size, block_size, query_tile):
     """make_case's step packed into the smallest tiled bucket that its tiles can hold."""
     import numpy as np
 
     from neuron_serve.model_runner import query_tiles
     from neuron_serve.model_runner.buckets import Bucket
+    from neuron_serve.model_runner.inputs import BucketBuffers
 
     num_heads, num_kv_heads = heads
-    case = make_case(seed, seq_lens, query_lens, num_heads, num_kv_heads, 64, block_size)
+    case = make_case(seed, seq_lens, query_lens, num_heads, num_kv_heads, head_size, block_size)
     num_scheduled = np.array(query_lens)
     n = case[-1]
     for num_tokens in range(n + 3, 4 * n):  # the case's 3 padding tokens, then more
@@ -168,7 +169,7 @@ def tiled_case(seed, seq_lens, query_lens, heads, block_size, query_tile):
     used = {name: len(a) for name, a in arrays.items()}
 
     def padded(name, *shape):
-        out = torch.zeros(shape, dtype=torch.long)
+        out = torch.full(shape, BucketBuffers.PADDING.get(name, 0), dtype=torch.long)
         out[: used[name]] = torch.from_numpy(arrays[name])
         return out
 
@@ -182,14 +183,18 @@ def tiled_case(seed, seq_lens, query_lens, heads, block_size, query_tile):
 
 
 @pytest.mark.parametrize("seq_lens,query_lens", TILED_CASES)
-@pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (8, 2)])
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (6, None), (None, 5.0)])
-# The "cpu" set differs only in its opaque single-token op, already checked compiled above.
-@pytest.mark.parametrize("kernel_set,compiled", [("reference", False), ("reference", True),
-                                                 pytest.param("cpu", False, marks=NEEDS_AVX2)])
+# The reference set's kernels are traced, so head size does not change their code; the
+# "cpu" set's C++ kernels have one per head size.
+@pytest.mark.parametrize("kernel_set,compiled,head_size", [
+    ("reference", False, 64), ("reference", True, 64),
+    pytest.param("cpu", False, 64, marks=NEEDS_AVX2), pytest.param("cpu", True, 64, marks=NEEDS_AVX2),
+    pytest.param("cpu", False, 128, marks=NEEDS_AVX2)])
 def test_query_tiled_attention_matches_naive_attention(seq_lens, query_lens, heads, window,
-                                                       soft_cap, kernel_set, compiled):
-    args, tiles, used, dense, n = tiled_case(2, seq_lens, query_lens, heads, 16, query_tile=8)
+                                                       soft_cap, kernel_set, compiled, head_size):
+    args, tiles, used, dense, n = tiled_case(2, seq_lens, query_lens, heads, head_size, 16,
+                                             query_tile=8)
     assert used["tile_req"] > 0 and used["single_token"] > 0  # both paths carry real tokens
     fn = kernels.get(kernel_set).ragged_paged_attention
     if compiled:
@@ -201,3 +206,31 @@ def test_query_tiled_attention_matches_naive_attention(seq_lens, query_lens, hea
                                             window, soft_cap) for t in range(n)])
     torch.testing.assert_close(out[:n], expected, rtol=1e-5, atol=1e-5)
     assert torch.isfinite(out).all()
+
+
+@NEEDS_AVX2
+def test_cpu_kernels_reject_block_ids_and_tokens_outside_their_tensors():
+    """The C++ kernels read the cache through the block table: an id outside the cache or a
+    token outside the query is an error naming it, not a read out of bounds."""
+    import re
+
+    from neuron_serve.attention import cpu_kernels
+
+    cpu_kernels.kernel_set()  # loads the ops
+    args, tiles, _, _, _ = tiled_case(2, *TILED_CASES[0], (4, 4), 64, 16, query_tile=8)
+    query, kv_cache, table, req_of, pos_of = args
+    ops = torch.ops.neuron_serve
+    bad_table = table.clone()
+    bad_table[0, 0] = kv_cache.shape[0]
+    message = re.escape(f"block id {kv_cache.shape[0]} of request 0 is outside the KV cache's "
+                        f"{kv_cache.shape[0]}")
+    with pytest.raises(RuntimeError, match=message):
+        ops.paged_attention(query, kv_cache, bad_table, req_of, pos_of, 0.25, 0, 0.0)
+    with pytest.raises(RuntimeError, match=message):
+        ops.paged_attention_tiles(query, kv_cache, bad_table, tiles.tile_token, tiles.tile_req,
+                                  pos_of, 0.25, 0, 0.0)
+    bad_tokens = tiles.tile_token.clone()
+    bad_tokens[0, 0] = len(query)
+    with pytest.raises(RuntimeError, match=f"tile 0 row 0 is token {len(query)} of {len(query)}"):
+        ops.paged_attention_tiles(query, kv_cache, table, bad_tokens, tiles.tile_req, pos_of,
+                                  0.25, 0, 0.0)

@@ -24,7 +24,7 @@ class QueryTiles:
 
     tile_token: torch.Tensor  # [n, q] int64 token of each tile row (padding rows: 0)
     tile_req: torch.Tensor  # [n] int64 block_table row of each tile
-    single_token: torch.Tensor  # [s] int64 tokens attending on their own
+    single_token: torch.Tensor  # [s] int64 tokens attending on their own (-1: unused)
     token_slot: torch.Tensor  # [T] int64 row of each token in cat(single outputs, tile rows)
 
 
@@ -54,7 +54,8 @@ def ragged_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                            sliding_window: int | None = None,
                            soft_cap: float | None = None,
                            tiles: QueryTiles | None = None,
-                           attend_tokens: Callable[..., torch.Tensor] | None = None
+                           attend_tokens: Callable[..., torch.Tensor] | None = None,
+                           attend_tiles: Callable[..., torch.Tensor] | None = None
                            ) -> torch.Tensor:
     """Causal attention of a flat ragged batch over the paged KV cache.
 
@@ -73,18 +74,26 @@ def ragged_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
             token attends on its own.
         attend_tokens: the kernel for tokens that attend on their own (the arguments of
             `attend_each_token`, its default); a kernel set may bring a faster one.
+        attend_tiles: the kernel for query tiles (the arguments of `attend_query_tiles`,
+            its default).
     Returns:
         [T, H, D] attention output.
     """
     attend_tokens = attend_tokens or attend_each_token
+    attend_tiles = attend_tiles or attend_query_tiles
     if tiles is None:
         return attend_tokens(query, kv_cache, block_table, token_req, token_pos, scale,
                              sliding_window, soft_cap)
-    single = tiles.single_token
-    outputs = [attend_tokens(query[single], kv_cache, block_table, token_req[single],
-                              token_pos[single], scale, sliding_window, soft_cap),
-               _attend_tiles(query, kv_cache, block_table, token_pos, tiles, scale,
-                             sliding_window, soft_cap)]
+    # An unused single slot (-1) attends as position 0 of request 0: one position for a
+    # kernel that reads only what a token sees, where token 0 could see a whole chunk.
+    used = tiles.single_token >= 0
+    single = tiles.single_token.clamp(min=0)
+    outputs = [attend_tokens(query[single], kv_cache, block_table,
+                             torch.where(used, token_req[single], 0),
+                             torch.where(used, token_pos[single], 0), scale, sliding_window,
+                             soft_cap),
+               attend_tiles(query, kv_cache, block_table, token_pos, tiles, scale,
+                            sliding_window, soft_cap)]
     return torch.cat(outputs)[tiles.token_slot]
 
 
@@ -125,8 +134,8 @@ def _fused_attention(q, key, value, visible, scale, soft_cap):
     return (probs[..., None] * value).sum((-3, -2))  # [T, H_kv, G, D]
 
 
-def _attend_tiles(query, kv_cache, block_table, token_pos, tiles, scale, sliding_window,
-                  soft_cap):
+def attend_query_tiles(query, kv_cache, block_table, token_pos, tiles, scale, sliding_window,
+                       soft_cap):
     """Each tile's rows (one request's consecutive tokens) against that request's context,
     gathered once per tile: two batched matmuls, [n, H_kv, q·G, D] × [n, H_kv, D, B·bs]."""
     num_tiles, rows = tiles.tile_token.shape

@@ -1,5 +1,6 @@
-// Emulated backend: attention of query tokens that attend on their own (decodes) over the
-// paged KV cache (AVX2 + FMA), reading only the positions each token sees.
+// Emulated backend: paged attention over the KV cache (AVX2 + FMA), reading only the
+// positions each query token sees: `paged_attention` for tokens that attend on their own
+// (decodes), `paged_attention_tiles` for query tiles (prefill chunks, below).
 //
 // The reference kernel traced by inductor (kernels.py) reads every position of the step's
 // padded block table, visible or not, once per query head. Here each (token, KV head)
@@ -12,6 +13,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
@@ -98,10 +100,11 @@ struct Scratch {  // per thread, reused across tokens
 };
 
 // out[g] = norm[g] * sum_i probs[g][i] * value_i for G query heads sharing a KV head
-// (probs rows n apart), C vectors of 8 at a time: G x C accumulators stay in registers.
+// (probs rows `stride` apart), C vectors of 8 at a time: G x C accumulators stay in
+// registers.
 template <int D, int G, int C>
 void weigh_values(const float* const* rows, int64_t n, int64_t value_offset,
-                  const float* probs, const float* norm, float* out) {
+                  const float* probs, int64_t stride, const float* norm, float* out) {
   for (int c0 = 0; c0 < D / 8; c0 += C) {
     __m256 acc[G][C];
 #pragma GCC unroll 8
@@ -115,7 +118,7 @@ void weigh_values(const float* const* rows, int64_t n, int64_t value_offset,
       for (int c = 0; c < C; ++c) v[c] = _mm256_loadu_ps(values + c * 8);
 #pragma GCC unroll 8
       for (int g = 0; g < G; ++g) {
-        const __m256 weight = _mm256_set1_ps(probs[g * n + i]);
+        const __m256 weight = _mm256_set1_ps(probs[g * stride + i]);
 #pragma GCC unroll 8
         for (int c = 0; c < C; ++c) acc[g][c] = _mm256_fmadd_ps(weight, v[c], acc[g][c]);
       }
@@ -126,6 +129,23 @@ void weigh_values(const float* const* rows, int64_t n, int64_t value_offset,
       for (int c = 0; c < C; ++c)
         _mm256_storeu_ps(out + g * D + (c0 + c) * 8,
                          _mm256_mul_ps(acc[g][c], _mm256_set1_ps(norm[g])));
+  }
+}
+
+// weigh_values for the `group` query heads of one KV head (outputs D apart): each value is
+// read once for all of them.
+template <int D>
+void weigh_group(const float* const* rows, int64_t n, int64_t value_offset, const float* probs,
+                 int64_t stride, int64_t group, const float* norm, float* out) {
+  switch (group) {
+    case 1: weigh_values<D, 1, 8>(rows, n, value_offset, probs, stride, norm, out); break;
+    case 2: weigh_values<D, 2, 4>(rows, n, value_offset, probs, stride, norm, out); break;
+    case 3: weigh_values<D, 3, 2>(rows, n, value_offset, probs, stride, norm, out); break;
+    case 4: weigh_values<D, 4, 2>(rows, n, value_offset, probs, stride, norm, out); break;
+    default:
+      for (int64_t g = 0; g < group; ++g)
+        weigh_values<D, 1, 8>(rows, n, value_offset, probs + g * stride, stride, norm + g,
+                              out + g * D);
   }
 }
 
@@ -182,59 +202,63 @@ void attend(const float* q, const float* kv, const int64_t* blocks, int64_t firs
     norm[h] = 1.0f / exp_shifted(p, n, max_of(p, n));
   }
   for (int64_t kv_head = 0; kv_head < s.kv_heads; ++kv_head) {
-    const int64_t h = kv_head * group, offset = kv_head * 2 * D + D;
-    const float* p = probs.data() + h * n;
-    switch (group) {  // the query heads of a KV head together, so each value is read once
-      case 1: weigh_values<D, 1, 8>(row_at.data(), n, offset, p, norm + h, out + h * D); break;
-      case 2: weigh_values<D, 2, 4>(row_at.data(), n, offset, p, norm + h, out + h * D); break;
-      case 3: weigh_values<D, 3, 2>(row_at.data(), n, offset, p, norm + h, out + h * D); break;
-      case 4: weigh_values<D, 4, 2>(row_at.data(), n, offset, p, norm + h, out + h * D); break;
-      default:
-        for (int64_t g = 0; g < group; ++g)
-          weigh_values<D, 1, 8>(row_at.data(), n, offset, p + g * n, norm + h + g,
-                                out + (h + g) * D);
-    }
+    const int64_t h = kv_head * group;
+    weigh_group<D>(row_at.data(), n, kv_head * 2 * D + D, probs.data() + h * n, n, group,
+                   norm + h, out + h * D);
   }
+}
+
+// The checks both ops make of their arguments; returns the shapes.
+Shapes check_inputs(const char* op, const at::Tensor& query, const at::Tensor& kv_cache,
+                    const at::Tensor& block_table) {
+  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kFloat, op,
+              ": query must be float32 [tokens, heads, head_size], got ", query.sizes(), " ",
+              query.scalar_type());
+  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.scalar_type() == at::kFloat &&
+                  kv_cache.is_contiguous() && kv_cache.size(3) == 2 * query.size(2),
+              op, ": kv_cache must be a contiguous float32 [blocks, block_size, kv_heads, "
+              "2 * head_size], got ", kv_cache.sizes());
+  const Shapes s{query.size(1), kv_cache.size(2), kv_cache.size(1), block_table.size(1)};
+  const int64_t head_size = query.size(2);
+  TORCH_CHECK((head_size == 64 || head_size == 128) && s.heads % s.kv_heads == 0 &&
+                  s.heads <= kMaxHeads,
+              op, ": head_size must be 64 or 128 and heads (at most ", kMaxHeads,
+              ") a multiple of kv_heads, got ", head_size, " and ", s.heads, "/", s.kv_heads);
+  return s;
+}
+
+// A token of request `req` at `pos` reads blocks 0..pos / block_size of its row of the block
+// table: check they lie inside the table and the cache instead of reading out of bounds.
+void check_context(const char* op, const at::Tensor& block_table, int64_t num_blocks,
+                   const Shapes& s, int64_t token, int64_t req, int64_t pos) {
+  TORCH_CHECK(req >= 0 && req < block_table.size(0) && pos >= 0 &&
+                  pos < s.blocks_per_req * s.block_size,
+              op, ": token ", token, " at position ", pos, " of request ", req,
+              " lies outside the block table ", block_table.sizes());
+  const int64_t* row = block_table.const_data_ptr<int64_t>() + req * s.blocks_per_req;
+  for (int64_t b = 0; b <= pos / s.block_size; ++b)
+    TORCH_CHECK(row[b] >= 0 && row[b] < num_blocks, op, ": block id ", row[b], " of request ",
+                req, " is outside the KV cache's ", num_blocks);
 }
 
 at::Tensor paged_attention(const at::Tensor& query_in, const at::Tensor& kv_cache,
                            const at::Tensor& block_table_in, const at::Tensor& token_req_in,
                            const at::Tensor& token_pos_in, double scale, int64_t sliding_window,
                            double soft_cap) {
-  TORCH_CHECK(query_in.dim() == 3 && query_in.scalar_type() == at::kFloat,
-              "paged_attention: query must be float32 [tokens, heads, head_size], got ",
-              query_in.sizes(), " ", query_in.scalar_type());
-  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.scalar_type() == at::kFloat &&
-                  kv_cache.is_contiguous() && kv_cache.size(3) == 2 * query_in.size(2),
-              "paged_attention: kv_cache must be a contiguous float32 [blocks, block_size, "
-              "kv_heads, 2 * head_size], got ", kv_cache.sizes());
   const at::Tensor query = query_in.contiguous();
   const at::Tensor block_table = block_table_in.to(at::kLong).contiguous();
   const at::Tensor token_req = token_req_in.to(at::kLong).contiguous();
   const at::Tensor token_pos = token_pos_in.to(at::kLong).contiguous();
-  const Shapes s{query.size(1), kv_cache.size(2), kv_cache.size(1), block_table.size(1)};
+  const Shapes s = check_inputs("paged_attention", query, kv_cache, block_table);
   const int64_t head_size = query.size(2), tokens = query.size(0);
-  TORCH_CHECK((head_size == 64 || head_size == 128) && s.heads % s.kv_heads == 0 &&
-                  s.heads <= kMaxHeads,
-              "paged_attention: head_size must be 64 or 128 and heads (at most ", kMaxHeads,
-              ") a multiple of kv_heads, got ", head_size, " and ", s.heads, "/", s.kv_heads);
   const auto attend_token = head_size == 64 ? attend<64> : attend<128>;
   TORCH_CHECK(token_req.numel() == tokens && token_pos.numel() == tokens,
               "paged_attention: token_req and token_pos need one entry per token");
   const int64_t* req = token_req.const_data_ptr<int64_t>();
   const int64_t* pos = token_pos.const_data_ptr<int64_t>();
   const int64_t* table = block_table.const_data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t) {
-    TORCH_CHECK(req[t] >= 0 && req[t] < block_table.size(0) && pos[t] >= 0 &&
-                    pos[t] < s.blocks_per_req * s.block_size,
-                "paged_attention: token ", t, " at position ", pos[t], " of request ", req[t],
-                " lies outside the block table ", block_table.sizes());
-    for (int64_t b = 0; b <= pos[t] / s.block_size; ++b) {
-      const int64_t block = table[req[t] * s.blocks_per_req + b];
-      TORCH_CHECK(block >= 0 && block < kv_cache.size(0), "paged_attention: block id ", block,
-                  " of request ", req[t], " is outside the KV cache's ", kv_cache.size(0));
-    }
-  }
+  for (int64_t t = 0; t < tokens; ++t)
+    check_context("paged_attention", block_table, kv_cache.size(0), s, t, req[t], pos[t]);
   at::Tensor out = at::empty_like(query);
   const float* q = query.const_data_ptr<float>();
   const float* kv = kv_cache.const_data_ptr<float>();
@@ -252,11 +276,205 @@ at::Tensor paged_attention(const at::Tensor& query_in, const at::Tensor& kv_cach
   return out;
 }
 
+// ---- Query tiles: consecutive tokens of one request (a prefill chunk) attend together ----
+//
+// Per (tile, KV head) the visible keys are transposed once into panels of 8 positions,
+// [panel][D][8], so the scores of a block of query rows are a small matrix product: per
+// element of the head, two panel loads feed 2 x kRowBlock FMAs, one broadcast of the query
+// per two of them. (The decode layout re-reads each key once per query row, from L1: 96
+// rows per tile for SmolLM2.) Then a softmax per query row over the positions it sees, and
+// its values weighed per token as in the decode kernel.
+
+constexpr int kRowBlock = 6;  // 6 rows x 2 panels = 12 accumulators, 2 panels, 1 broadcast
+
+struct TileScratch {  // per thread, reused across work items
+  std::vector<float> keys;                // [panels][D][8]
+  std::vector<float> scores;              // [tile rows x group][panels x 8]
+  std::vector<const float*> rows, query;  // context rows; each query row's head vector
+};
+
+// scores[r][8p .. 8p+8) = scale * q[r] . key for R query rows and P consecutive panels.
+template <int D, int R, int P>
+void score_block(const float* const* q, const float* panels, float scale, float* scores,
+                 int64_t stride) {
+  __m256 acc[R][P];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int p = 0; p < P; ++p) acc[r][p] = _mm256_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    __m256 key[P];
+#pragma GCC unroll 2
+    for (int p = 0; p < P; ++p) key[p] = _mm256_loadu_ps(panels + p * D * 8 + d * 8);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 qd = _mm256_broadcast_ss(q[r] + d);
+#pragma GCC unroll 2
+      for (int p = 0; p < P; ++p) acc[r][p] = _mm256_fmadd_ps(qd, key[p], acc[r][p]);
+    }
+  }
+  const __m256 scale8 = _mm256_set1_ps(scale);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int p = 0; p < P; ++p)
+      _mm256_storeu_ps(scores + r * stride + p * 8, _mm256_mul_ps(acc[r][p], scale8));
+}
+
+template <int D, int P>
+void score_rows(int rows, const float* const* q, const float* panels, float scale,
+                float* scores, int64_t stride) {
+  switch (rows) {
+    case 1: score_block<D, 1, P>(q, panels, scale, scores, stride); break;
+    case 2: score_block<D, 2, P>(q, panels, scale, scores, stride); break;
+    case 3: score_block<D, 3, P>(q, panels, scale, scores, stride); break;
+    case 4: score_block<D, 4, P>(q, panels, scale, scores, stride); break;
+    case 5: score_block<D, 5, P>(q, panels, scale, scores, stride); break;
+    default: score_block<D, kRowBlock, P>(q, panels, scale, scores, stride);
+  }
+}
+
+// Positions first[r]..last[r] of tile row r (a token), for the query heads of one KV head;
+// out: the tile's [rows, heads, D] output.
+template <int D>
+void attend_tile(const float* query, const float* kv, const int64_t* blocks,
+                 const int64_t* tokens, const int64_t* first, const int64_t* last,
+                 int64_t rows, int64_t kv_head, const Shapes& s, float scale, float soft_cap,
+                 TileScratch& scratch, float* out) {
+  const int64_t group = s.heads / s.kv_heads, row_floats = s.kv_heads * 2 * D;
+  const int64_t lo = *std::min_element(first, first + rows);
+  const int64_t n = *std::max_element(last, last + rows) - lo + 1;
+  const int64_t panels = (n + 7) / 8, width = panels * 8;
+  std::vector<const float*>& row_at = scratch.rows;
+  row_at.resize(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t pos = lo + i;
+    row_at[i] = kv + (blocks[pos / s.block_size] * s.block_size + pos % s.block_size) * row_floats;
+  }
+  scratch.keys.resize(panels * D * 8);
+  float* keys = scratch.keys.data();
+  std::fill(keys + (panels - 1) * D * 8, keys + panels * D * 8, 0.0f);  // past the last position
+  for (int64_t i = 0; i < n; ++i) {
+    const float* key = row_at[i] + kv_head * 2 * D;
+    float* column = keys + (i / 8) * D * 8 + i % 8;
+    for (int d = 0; d < D; ++d) column[d * 8] = key[d];
+  }
+  const int64_t query_rows = rows * group;  // row m: tile row m / group, head m % group
+  scratch.query.resize(query_rows);
+  for (int64_t m = 0; m < query_rows; ++m)
+    scratch.query[m] = query + (tokens[m / group] * s.heads + kv_head * group + m % group) * D;
+  scratch.scores.resize(query_rows * width);
+  float* scores = scratch.scores.data();
+  for (int64_t m0 = 0; m0 < query_rows; m0 += kRowBlock) {
+    const int block = static_cast<int>(std::min<int64_t>(kRowBlock, query_rows - m0));
+    const int64_t r0 = m0 / group, r1 = (m0 + block - 1) / group + 1;  // tile rows
+    const int64_t begin = (*std::min_element(first + r0, first + r1) - lo) / 8;
+    const int64_t end = (*std::max_element(last + r0, last + r1) - lo) / 8 + 1;
+    for (int64_t p = begin; p < end; p += 2) {
+      const float* panel = keys + p * D * 8;
+      float* at = scores + m0 * width + p * 8;
+      if (p + 1 < end)
+        score_rows<D, 2>(block, scratch.query.data() + m0, panel, scale, at, width);
+      else
+        score_rows<D, 1>(block, scratch.query.data() + m0, panel, scale, at, width);
+    }
+  }
+  float norm[kMaxHeads];
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t offset = first[r] - lo, count = last[r] - first[r] + 1;
+    float* row_scores = scores + r * group * width + offset;
+    for (int64_t g = 0; g < group; ++g) {
+      float* p = row_scores + g * width;
+      if (soft_cap > 0)
+        for (int64_t i = 0; i < count; ++i) p[i] = soft_cap * std::tanh(p[i] / soft_cap);
+      norm[g] = 1.0f / exp_shifted(p, count, max_of(p, count));
+    }
+    weigh_group<D>(row_at.data() + offset, count, kv_head * 2 * D + D, row_scores, width, group,
+                   norm, out + (r * s.heads + kv_head * group) * D);
+  }
+}
+
+// Attention of query tiles: tile i is tokens tile_token[i][0..q) of request tile_req[i],
+// consecutive; a row whose token does not follow the one before is padding (left zero),
+// as is all of a tile but its first row when its tokens are all 0. Returns [tiles * q,
+// heads, head_size], tile-major.
+at::Tensor paged_attention_tiles(const at::Tensor& query_in, const at::Tensor& kv_cache,
+                                 const at::Tensor& block_table_in,
+                                 const at::Tensor& tile_token_in, const at::Tensor& tile_req_in,
+                                 const at::Tensor& token_pos_in, double scale,
+                                 int64_t sliding_window, double soft_cap) {
+  const char* op = "paged_attention_tiles";
+  const at::Tensor query = query_in.contiguous();
+  const at::Tensor block_table = block_table_in.to(at::kLong).contiguous();
+  const at::Tensor tile_token = tile_token_in.to(at::kLong).contiguous();
+  const at::Tensor tile_req = tile_req_in.to(at::kLong).contiguous();
+  const at::Tensor token_pos = token_pos_in.to(at::kLong).contiguous();
+  const Shapes s = check_inputs(op, query, kv_cache, block_table);
+  TORCH_CHECK(tile_token.dim() == 2 && tile_req.numel() == tile_token.size(0) &&
+                  token_pos.numel() == query.size(0),
+              op, ": need tile_token [tiles, q], tile_req [tiles] and token_pos [tokens], got ",
+              tile_token.sizes(), ", ", tile_req.sizes(), ", ", token_pos.sizes());
+  const int64_t num_tiles = tile_token.size(0), q = tile_token.size(1);
+  const int64_t head_size = query.size(2);
+  const int64_t* tok = tile_token.const_data_ptr<int64_t>();
+  const int64_t* req = tile_req.const_data_ptr<int64_t>();
+  const int64_t* pos = token_pos.const_data_ptr<int64_t>();
+  // Each tile's real rows, and each row's visible positions first..last.
+  std::vector<int64_t> rows(num_tiles), first(num_tiles * q), last(num_tiles * q);
+  for (int64_t i = 0; i < num_tiles; ++i) {
+    int64_t r = 0;
+    while (r < q && (r == 0 || tok[i * q + r] == tok[i * q + r - 1] + 1)) {
+      const int64_t t = tok[i * q + r];
+      TORCH_CHECK(t >= 0 && t < query.size(0), op, ": tile ", i, " row ", r, " is token ", t,
+                  " of ", query.size(0));
+      check_context(op, block_table, kv_cache.size(0), s, t, req[i], pos[t]);
+      last[i * q + r] = pos[t];
+      first[i * q + r] = sliding_window > 0 ? std::max<int64_t>(0, pos[t] - sliding_window + 1) : 0;
+      ++r;
+    }
+    rows[i] = r;
+  }
+  // Work items (tile, KV head), longest first, dealt round-robin to the threads: a chunk's
+  // later tiles see more context, and contiguous ranges would give one thread all of them.
+  std::vector<int64_t> items(num_tiles * s.kv_heads);
+  for (int64_t w = 0; w < static_cast<int64_t>(items.size()); ++w) items[w] = w;
+  auto cost = [&](int64_t w) {
+    const int64_t i = w / s.kv_heads, r = rows[i] - 1;
+    return rows[i] * (last[i * q + r] - first[i * q] + 1);
+  };
+  std::stable_sort(items.begin(), items.end(),
+                   [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
+  at::Tensor out = at::zeros({num_tiles * q, s.heads, head_size}, query.options());
+  const auto attend = head_size == 64 ? attend_tile<64> : attend_tile<128>;
+  const float* qp = query.const_data_ptr<float>();
+  const float* kv = kv_cache.const_data_ptr<float>();
+  const int64_t* table = block_table.const_data_ptr<int64_t>();
+  float* o = out.mutable_data_ptr<float>();
+  const int64_t threads = at::get_num_threads();
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    TileScratch scratch;
+    for (int64_t thread = begin; thread < end; ++thread)
+      for (size_t k = thread; k < items.size(); k += threads) {
+        const int64_t i = items[k] / s.kv_heads, kv_head = items[k] % s.kv_heads;
+        attend(qp, kv, table + req[i] * s.blocks_per_req, tok + i * q, first.data() + i * q,
+               last.data() + i * q, rows[i], kv_head, s, static_cast<float>(scale),
+               static_cast<float>(soft_cap), scratch, o + i * q * s.heads * head_size);
+      }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(neuron_serve, m) {
   m.def("paged_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor token_req, "
         "Tensor token_pos, float scale, int sliding_window, float soft_cap) -> Tensor");
+  m.def("paged_attention_tiles(Tensor query, Tensor kv_cache, Tensor block_table, "
+        "Tensor tile_token, Tensor tile_req, Tensor token_pos, float scale, int sliding_window, "
+        "float soft_cap) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(neuron_serve, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(neuron_serve, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("paged_attention_tiles", &paged_attention_tiles);
+}

@@ -47,13 +47,14 @@ class BucketBuffers:
 
     NAMES = ("input_ids", "positions", "slot_mapping", "token_req", "block_table", "logits_indices")
     TILE_NAMES = ("tile_token", "tile_req", "single_token", "token_slot")
+    PADDING = {"single_token": -1}  # an unused slot (kernels.ragged_paged_attention)
 
     def fill(self, arrays: dict[str, np.ndarray]) -> None:
-        """Copy the real part of each array in; zero the padding (null block, request 0,
-        token 0)."""
+        """Copy the real part of each array in; the padding is 0 (null block, request 0,
+        token 0) but for unused single-token slots (-1)."""
         for name in self.NAMES + (self.TILE_NAMES if self.tiles else ()):
             buf = getattr(self.tiles if name in self.TILE_NAMES else self, name)
-            buf.zero_()
+            buf.fill_(self.PADDING.get(name, 0))
             if name in arrays:
                 arr = arrays[name]
                 buf[tuple(slice(0, n) for n in arr.shape)].copy_(torch.from_numpy(arr))
