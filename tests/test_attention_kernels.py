@@ -1,13 +1,13 @@
 """Paged-attention kernel sets (the reference one, and the emulated backend's "cpu" one with
-its C++ kernel for tokens that attend on their own) against a naive dense attention, over a
-shape sweep."""
+its C++ kernels, AVX2 and AVX-512) against a naive dense attention, over a shape sweep."""
 
+import contextlib
 import math
 
 import pytest
 import torch
 
-from neuron_serve.attention import kernels
+from neuron_serve.attention import cpu_kernels, kernels
 from neuron_serve.attention.kernels import QueryTiles, write_kv
 from neuron_serve.model_runner import cpu_extension
 
@@ -16,9 +16,30 @@ NEEDS_AVX2 = pytest.mark.skipif(not cpu_extension.cpu_supported(),
                                 reason="the C++ kernels need AVX2")
 
 
-@pytest.fixture(params=["reference", pytest.param("cpu", marks=NEEDS_AVX2)])
+@pytest.fixture(params=["reference", pytest.param("cpu", marks=NEEDS_AVX2),
+                        pytest.param("cpu-avx2", marks=NEEDS_AVX2)])
 def ragged_paged_attention(request):
-    return kernels.get(request.param).ragged_paged_attention
+    """Each kernel set; "cpu" runs whatever this CPU picks (AVX-512 where it has it),
+    "cpu-avx2" the AVX2 code of the same kernels."""
+    name, _, isa = request.param.partition("-")
+    with cpu_isa("avx2" if isa else None):
+        yield kernels.get(name).ragged_paged_attention
+
+
+@contextlib.contextmanager
+def cpu_isa(isa: str | None):
+    """The "cpu" kernels restricted to AVX2 code (isa "avx2"), or left to pick (None)."""
+    if isa is None:
+        yield
+        return
+    cpu_kernels.kernel_set()  # loads the ops
+    if torch.ops.neuron_serve.paged_attention_isa(False) == "avx2":
+        pytest.skip("this CPU runs the AVX2 code anyway")
+    torch.ops.neuron_serve.paged_attention_isa(True)
+    try:
+        yield
+    finally:
+        torch.ops.neuron_serve.paged_attention_isa(False)
 
 
 def naive_attention(q, k, v, pos, scale, window=None, soft_cap=None):
@@ -190,17 +211,20 @@ def tiled_case(seed, seq_lens, query_lens, heads, head_size, block_size, query_t
 @pytest.mark.parametrize("kernel_set,compiled,head_size", [
     ("reference", False, 64), ("reference", True, 64),
     pytest.param("cpu", False, 64, marks=NEEDS_AVX2), pytest.param("cpu", True, 64, marks=NEEDS_AVX2),
-    pytest.param("cpu", False, 128, marks=NEEDS_AVX2)])
+    pytest.param("cpu", False, 128, marks=NEEDS_AVX2),
+    pytest.param("cpu-avx2", False, 64, marks=NEEDS_AVX2)])
 def test_query_tiled_attention_matches_naive_attention(seq_lens, query_lens, heads, window,
                                                        soft_cap, kernel_set, compiled, head_size):
     args, tiles, used, dense, n = tiled_case(2, seq_lens, query_lens, heads, head_size, 16,
                                              query_tile=8)
     assert used["tile_req"] > 0 and used["single_token"] > 0  # both paths carry real tokens
-    fn = kernels.get(kernel_set).ragged_paged_attention
+    name, _, isa = kernel_set.partition("-")
+    fn = kernels.get(name).ragged_paged_attention
     if compiled:
         torch._dynamo.reset()  # each case is a new shape: stay under dynamo's recompile limit
         fn = torch.compile(fn, fullgraph=True, dynamic=False, backend="inductor")
-    out = fn(*args, 0.25, window, soft_cap, tiles)
+    with cpu_isa(isa or None):
+        out = fn(*args, 0.25, window, soft_cap, tiles)
     query, _, _, req_of, pos_of = args
     expected = torch.stack([naive_attention(query[t], *dense[req_of[t]], int(pos_of[t]), 0.25,
                                             window, soft_cap) for t in range(n)])

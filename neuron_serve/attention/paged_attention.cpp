@@ -18,8 +18,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
+#include <string>
 #include <vector>
 
 namespace {
@@ -135,7 +137,7 @@ void weigh_values(const float* const* rows, int64_t n, int64_t value_offset,
 // weigh_values for the `group` query heads of one KV head (outputs D apart): each value is
 // read once for all of them.
 template <int D>
-void weigh_group(const float* const* rows, int64_t n, int64_t value_offset, const float* probs,
+void weigh_group_avx2(const float* const* rows, int64_t n, int64_t value_offset, const float* probs,
                  int64_t stride, int64_t group, const float* norm, float* out) {
   switch (group) {
     case 1: weigh_values<D, 1, 8>(rows, n, value_offset, probs, stride, norm, out); break;
@@ -147,6 +149,133 @@ void weigh_group(const float* const* rows, int64_t n, int64_t value_offset, cons
         weigh_values<D, 1, 8>(rows, n, value_offset, probs + g * stride, stride, norm + g,
                               out + g * D);
   }
+}
+
+// ---- AVX-512 versions, chosen at run time (use_avx512) -------------------------------------
+// 16 lanes and 32 registers: a score pass shares each key load among 3 query heads, and a
+// query head's whole output (64 floats: 4 registers) stays in registers over the values.
+
+#define AVX512 __attribute__((target("avx512f")))
+
+// Lane j: the sum of the 16 lanes of a[j].
+AVX512 inline __m256 sum_each512(const __m512 a[8]) {
+  __m256 halves[8];
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j)
+    halves[j] = _mm256_add_ps(_mm512_castps512_ps256(a[j]), _mm256_castpd_ps(
+                                  _mm512_extractf64x4_pd(_mm512_castps_pd(a[j]), 1)));
+  return sum_each(halves);
+}
+
+// Scores of 8 positions (rows) for G query heads of one KV head (q: G heads, D apart):
+// each key vector is loaded once for the G heads. probs[g * stride + j] for j < count.
+template <int D, int G>
+AVX512 void score8_512(const float* const* rows, int64_t key_offset, const float* q, float scale,
+                       float* probs, int64_t stride, int64_t count) {
+  __m512 acc[G][8];
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) acc[g][j] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+  for (int c = 0; c < D / 16; ++c) {
+    __m512 qc[G];
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) qc[g] = _mm512_loadu_ps(q + g * D + c * 16);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m512 key = _mm512_loadu_ps(rows[j] + key_offset + c * 16);
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) acc[g][j] = _mm512_fmadd_ps(qc[g], key, acc[g][j]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) {
+    alignas(32) float scores[8];
+    _mm256_store_ps(scores, _mm256_mul_ps(sum_each512(acc[g]), _mm256_set1_ps(scale)));
+    for (int64_t j = 0; j < count; ++j) probs[g * stride + j] = scores[j];
+  }
+}
+
+// Scores of 8 positions for every query head of a KV head, 3 heads at a time (3 x 8
+// accumulators; 4 would spill).
+template <int D>
+AVX512 void score8_group512(const float* const* rows, int64_t key_offset, const float* q,
+                            int64_t group, float scale, float* probs, int64_t stride,
+                            int64_t count) {
+  for (int64_t g = 0; g < group; g += 3) {
+    const float* qg = q + g * D;
+    float* pg = probs + g * stride;
+    switch (std::min<int64_t>(3, group - g)) {
+      case 1: score8_512<D, 1>(rows, key_offset, qg, scale, pg, stride, count); break;
+      case 2: score8_512<D, 2>(rows, key_offset, qg, scale, pg, stride, count); break;
+      default: score8_512<D, 3>(rows, key_offset, qg, scale, pg, stride, count);
+    }
+  }
+}
+
+template <int D, int G, int C>
+AVX512 void weigh_values512(const float* const* rows, int64_t n, int64_t value_offset,
+                            const float* probs, int64_t stride, const float* norm, float* out) {
+  for (int c0 = 0; c0 < D / 16; c0 += C) {
+    __m512 acc[G][C];
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) {
+      const float* values = rows[i] + value_offset + c0 * 16;
+      __m512 v[C];
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(values + c * 16);
+#pragma GCC unroll 8
+      for (int g = 0; g < G; ++g) {
+        const __m512 weight = _mm512_set1_ps(probs[g * stride + i]);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(weight, v[c], acc[g][c]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c)
+        _mm512_storeu_ps(out + g * D + (c0 + c) * 16,
+                         _mm512_mul_ps(acc[g][c], _mm512_set1_ps(norm[g])));
+  }
+}
+
+template <int D>
+AVX512 void weigh_group512(const float* const* rows, int64_t n, int64_t value_offset,
+                           const float* probs, int64_t stride, int64_t group, const float* norm,
+                           float* out) {
+  constexpr int kVectors = D / 16;  // 4 or 8; at most 16 accumulators
+  switch (group) {
+    case 1: weigh_values512<D, 1, kVectors>(rows, n, value_offset, probs, stride, norm, out); break;
+    case 2: weigh_values512<D, 2, kVectors>(rows, n, value_offset, probs, stride, norm, out); break;
+    case 3: weigh_values512<D, 3, 4>(rows, n, value_offset, probs, stride, norm, out); break;
+    case 4: weigh_values512<D, 4, 4>(rows, n, value_offset, probs, stride, norm, out); break;
+    default:
+      for (int64_t g = 0; g < group; ++g)
+        weigh_values512<D, 1, kVectors>(rows, n, value_offset, probs + g * stride, stride,
+                                        norm + g, out + g * D);
+  }
+}
+
+// Tests set this to run the AVX2 code on a CPU with AVX-512 too.
+std::atomic<bool> avx2_only{false};
+
+bool use_avx512() {
+  static const bool supported = __builtin_cpu_supports("avx512f");
+  return supported && !avx2_only;
+}
+
+template <int D>
+void weigh_group(const float* const* rows, int64_t n, int64_t value_offset, const float* probs,
+                 int64_t stride, int64_t group, const float* norm, float* out) {
+  if (use_avx512())
+    weigh_group512<D>(rows, n, value_offset, probs, stride, group, norm, out);
+  else
+    weigh_group_avx2<D>(rows, n, value_offset, probs, stride, group, norm, out);
 }
 
 // One token over positions first..last of its request, every head, for head size D.
@@ -170,6 +299,7 @@ void attend(const float* q, const float* kv, const int64_t* blocks, int64_t firs
     row_at[i] = kv + (blocks[pos / s.block_size] * s.block_size + pos % s.block_size) * row_floats;
   }
   const __m256 scale8 = _mm256_set1_ps(scale);
+  const bool avx512 = use_avx512();
   for (int64_t i = 0; i < n; i += 8) {
     const float* const* rows = row_at.data() + i;
     // The next 8 rows: blocks lie anywhere, and a row (1.5 KB for SmolLM2) spans pages
@@ -178,6 +308,13 @@ void attend(const float* q, const float* kv, const int64_t* blocks, int64_t firs
     for (int j = 8; j < 16 && i + j < n; ++j)
       for (int64_t byte = 0; byte < row_floats * 4; byte += 64)
         _mm_prefetch(reinterpret_cast<const char*>(rows[j]) + byte, _MM_HINT_T0);
+    const int64_t count = std::min<int64_t>(8, n - i);
+    if (avx512) {
+      for (int64_t kv_head = 0; kv_head < s.kv_heads; ++kv_head)
+        score8_group512<D>(rows, kv_head * 2 * D, q + kv_head * group * D, group, scale,
+                           probs.data() + kv_head * group * n + i, n, count);
+      continue;
+    }
     for (int64_t h = 0; h < s.heads; ++h) {
       const int64_t key_offset = (h / group) * 2 * D;
       __m256 acc[8];
@@ -191,11 +328,11 @@ void attend(const float* q, const float* kv, const int64_t* blocks, int64_t firs
       }
       alignas(32) float scores[8];
       _mm256_store_ps(scores, _mm256_mul_ps(sum_each(acc), scale8));
-      for (int64_t j = 0; j < std::min<int64_t>(8, n - i); ++j)
-        probs[h * n + i + j] =
-            soft_cap > 0 ? soft_cap * std::tanh(scores[j] / soft_cap) : scores[j];
+      for (int64_t j = 0; j < count; ++j) probs[h * n + i + j] = scores[j];
     }
   }
+  if (soft_cap > 0)
+    for (float& p : probs) p = soft_cap * std::tanh(p / soft_cap);
   float norm[kMaxHeads];
   for (int64_t h = 0; h < s.heads; ++h) {
     float* p = probs.data() + h * n;
@@ -464,6 +601,12 @@ at::Tensor paged_attention_tiles(const at::Tensor& query_in, const at::Tensor& k
   return out;
 }
 
+// Which code runs: "avx512" or "avx2"; `avx2_only_` restricts it to AVX2 (tests).
+std::string paged_attention_isa(bool avx2_only_) {
+  avx2_only = avx2_only_;
+  return use_avx512() ? "avx512" : "avx2";
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(neuron_serve, m) {
@@ -472,6 +615,7 @@ TORCH_LIBRARY_FRAGMENT(neuron_serve, m) {
   m.def("paged_attention_tiles(Tensor query, Tensor kv_cache, Tensor block_table, "
         "Tensor tile_token, Tensor tile_req, Tensor token_pos, float scale, int sliding_window, "
         "float soft_cap) -> Tensor");
+  m.def("paged_attention_isa(bool avx2_only) -> str", &paged_attention_isa);
 }
 
 TORCH_LIBRARY_IMPL(neuron_serve, CPU, m) {
