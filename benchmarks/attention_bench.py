@@ -3,6 +3,10 @@ compiled, as in the step graph) and the reference kernels vs
 vLLM's CPU attention op (`cpu_attention_with_kv_cache`) on the same shapes and the same
 K/V, decode-heavy and prefill-heavy; outputs checked equal before timing.
 
+A compiled function's call costs about 0.2 ms on its own here (dynamo's guards, the
+wrapper), which the step graph pays once per step, not per layer; so the "cpu" set's C++
+op is also timed alone, called directly like vLLM's.
+
     .venv/bin/python benchmarks/attention_bench.py [--model smollm2-135m]
 """
 
@@ -74,6 +78,22 @@ def _ours(shape, case, kernel_set: str):
     return lambda: fn(query, kv, block_table, token_req, token_pos, scale, tiles=tiles)
 
 
+def _op_alone(shape, case):
+    """The "cpu" kernel set's C++ op called directly (decode: paged_attention; prefill:
+    paged_attention_tiles, the tiles alone)."""
+    from neuron_serve.attention import cpu_kernels
+
+    cpu_kernels.kernel_set()  # loads the ops
+    query, kv, block_table, token_req, token_pos = case
+    q_len = len(token_req) // len(block_table)
+    tiles = _query_tiles(q_len, len(block_table), block_table.shape[1])
+    scale, ops = shape.head_dim ** -0.5, torch.ops.neuron_serve
+    if tiles is None:
+        return lambda: ops.paged_attention(query, kv, block_table, token_req, token_pos, scale, 0, 0.0)
+    return lambda: ops.paged_attention_tiles(query, kv, block_table, tiles.tile_token,
+                                             tiles.tile_req, token_pos, scale, 0, 0.0)
+
+
 def _vllm(shape, case, context: int, q_len: int, reqs: int):
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
@@ -126,30 +146,39 @@ def run(shape, repeats: int = 5) -> list[dict]:
         theirs = _vllm(shape, case, context, q_len, reqs)
         for fn in (ours, reference):
             torch.testing.assert_close(fn(), theirs(), rtol=1e-3, atol=1e-3)
-        # Taking turns, so a noisy neighbour slows all three alike.
-        times = {"ours": [], "reference": [], "vllm": []}
+        fns = {"ours": ours, "reference": reference, "vllm": theirs}
+        if _kernel_set() == "cpu" and shape.head_dim in (64, 128):  # the op's head sizes
+            fns["op"] = _op_alone(shape, case)
+        # Taking turns, so a noisy neighbour slows all of them alike.
+        times = {key: [] for key in fns}
         for _ in range(3):
-            for key, fn in (("ours", ours), ("reference", reference), ("vllm", theirs)):
+            for key, fn in fns.items():
                 times[key].append(_median_ms(fn, repeats))
         # Each kernel's middle round of three (median, min, max of that round).
         o, r, t = (sorted(times[k])[1] for k in ("ours", "reference", "vllm"))
+        op = sorted(times["op"])[1][0] if "op" in times else None
         rows.append(dict(case=name, ours_ms=o[0], ours_min=o[1], ours_max=o[2],
-                         reference_ms=r[0], vllm_ms=t[0], vllm_min=t[1], vllm_max=t[2],
-                         ours_over_vllm=o[0] / t[0]))
+                         reference_ms=r[0], op_ms=op, vllm_ms=t[0], vllm_min=t[1],
+                         vllm_max=t[2], ours_over_vllm=o[0] / t[0]))
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
     lines = ["## Attention kernel (ms per layer call, median [min–max])", "",
              f"| case | ours (\"{_kernel_set()}\" kernels, compiled) | reference kernels "
-             "(compiled) | vLLM CPU op | ours ÷ vLLM |",
-             "|---|---|---|---|---|"]
+             "(compiled) | our C++ op alone | vLLM CPU op | ours ÷ vLLM | op alone ÷ vLLM |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
+        op = r.get("op_ms")
+        op_cells = f"{op:.3f} | " if op else "– | "
+        op_ratio = f"{op / r['vllm_ms']:.2f}×" if op else "–"
         lines.append(f"| {r['case']} | {r['ours_ms']:.3f} [{r['ours_min']:.3f}–{r['ours_max']:.3f}] | "
-                     f"{r['reference_ms']:.3f} | "
+                     f"{r['reference_ms']:.3f} | {op_cells}"
                      f"{r['vllm_ms']:.3f} [{r['vllm_min']:.3f}–{r['vllm_max']:.3f}] | "
-                     f"{r['ours_over_vllm']:.2f}× |")
-    return "\n".join(lines)
+                     f"{r['ours_over_vllm']:.2f}× | {op_ratio} |")
+    return "\n".join(lines) + (
+        "\n\nOne compiled call includes torch.compile's call overhead, paid once per step in "
+        "the engine; the op alone is the kernel the step graph calls in each layer.")
 
 
 def main() -> None:

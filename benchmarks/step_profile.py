@@ -6,9 +6,9 @@ Runs our engine (compiled; graph cache off, so every graph is built with inducto
 profiling) with compare.py's engine settings, records one generate per batch size with the
 worker's step profiler, and splits every compiled step into matmuls (the linear layers and
 the LM head, on oneDNN or the skinny kernel), attention (our paged-attention kernels:
-paged_attention.cpp, inductor's fused softmax kernels and the query tiles' batched
-matmuls) and everything
-else. A step with tile matmuls is a mixed (prefill) step, one without a decode step.
+paged_attention.cpp's ops, or the reference set's fused softmax kernels and batched
+matmuls) and everything else. A step with query tiles is a mixed (prefill) step, one
+without a decode step.
 Prints a markdown table and writes it to benchmarks/results/step_profile-<model>-<isa>.md.
 """
 
@@ -30,9 +30,10 @@ KINDS = ("matmul", "attention", "other")
 def classify(name: str) -> str | None:
     if name in ("_C::onednn_mm", "neuron_serve::skinny_matmul"):
         return "matmul"
-    if name == "aten::bmm":
+    # Query tiles: the reference set's batched matmuls, or the "cpu" set's op.
+    if name in ("aten::bmm", "neuron_serve::paged_attention_tiles"):
         return "tiles"
-    if name == "neuron_serve::paged_attention":  # the "cpu" kernel set's decode attention
+    if name == "neuron_serve::paged_attention":  # the "cpu" kernel set's single tokens
         return "attention"
     # Kernels of a decoder layer compiled once (compile_regions.py) carry no graph_ prefix.
     if "cpp_fused" in name:

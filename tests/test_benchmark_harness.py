@@ -38,7 +38,7 @@ def test_compare_writes_json_markdown_and_chart(tiny_llama, tmp_path):
 
 def test_step_profile_splits_each_compiled_step_by_kernel_kind(tmp_path):
     """benchmarks/step_profile.py's split of a trace: kernels fall in the graph call that
-    contains them; a call with tile matmuls is a mixed step."""
+    contains them; a call with query tiles (batched matmuls or our tile op) is a mixed step."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     from step_profile import split_steps, summarize
 
@@ -52,10 +52,15 @@ def test_step_profile_splits_each_compiled_step_by_kernel_kind(tmp_path):
               kernel("graph_0_cpp_fused_add_mul_rsqrt_2", 8500, 500),
               call(20_000, 30_000), kernel("_C::onednn_mm", 20_100, 12_000),
               kernel("aten::bmm", 33_000, 6000), kernel("graph_0_cpp_fused__softmax_3", 40_000, 2000),
-              kernel("_C::onednn_mm", 60_000, 9000)]  # outside every call: not counted
+              kernel("_C::onednn_mm", 60_000, 9000),  # outside every call: not counted
+              # A mixed step on the "cpu" kernel set: its query tiles are our C++ op.
+              call(70_000, 20_000), kernel("_C::onednn_mm", 70_100, 10_000),
+              kernel("neuron_serve::paged_attention_tiles", 80_200, 3000),
+              kernel("neuron_serve::paged_attention", 83_300, 1000)]
     (tmp_path / "t.json").write_text(json.dumps({"traceEvents": events}))
     steps = split_steps(str(tmp_path / "t.json"))
     assert [(s["ms"], s["matmul"], s["attention"], s["other"]) for s in steps] == [
-        (10.0, 4.0, 3.7, 0.5), (30.0, 12.0, 8.0, 0.0)]
+        (10.0, 4.0, 3.7, 0.5), (30.0, 12.0, 8.0, 0.0), (20.0, 10.0, 4.0, 0.0)]
     rows = summarize(steps)
-    assert rows["decode"]["steps"] == 1 and rows["mixed"]["attention"] == 8.0
+    assert rows["decode"]["steps"] == 1 and rows["mixed"]["steps"] == 2
+    assert rows["mixed"]["attention"] == 6.0  # the median of 8 and 4
