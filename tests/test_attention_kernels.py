@@ -150,8 +150,11 @@ def test_padded_step_leaves_real_kv_untouched():
 
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (6, None), (None, 5.0)])
-def test_compiled_kernel_matches_naive_attention(heads, window, soft_cap, ragged_paged_attention):
+def test_compiled_kernel_matches_naive_attention(heads, window, soft_cap, ragged_paged_attention,
+                                                request):
     """Under torch.compile the kernel takes its fused form (kernels._fused_attention)."""
+    if request.node.callspec.params["ragged_paged_attention"] == "cpu-avx2":
+        pytest.skip("the same graph as \"cpu\"; its AVX2 code is checked eagerly")
     num_heads, num_kv_heads = heads
     query, kv_cache, table, req_of, pos_of, dense, n = make_case(
         1, [40, 12, 7], [8, 1, 7], num_heads, num_kv_heads, 64, 16)
@@ -219,6 +222,8 @@ def test_query_tiled_attention_matches_naive_attention(seq_lens, query_lens, hea
                                              query_tile=8)
     assert used["tile_req"] > 0 and used["single_token"] > 0  # both paths carry real tokens
     name, _, isa = kernel_set.partition("-")
+    if compiled and (heads == (6, 2)) != (name == "cpu"):  # ~10 s per compile, cold
+        pytest.skip("compiled: the reference set at GQA 1 and 4, the cpu set's graph at 3")
     fn = kernels.get(name).ragged_paged_attention
     if compiled:
         torch._dynamo.reset()  # each case is a new shape: stay under dynamo's recompile limit
