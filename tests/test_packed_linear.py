@@ -37,7 +37,7 @@ class Model(nn.Module):
         return self.head(torch.relu(self.proj(x)))
 
 
-@pytest.mark.parametrize("rows", [1, 7, 64, 65])
+@pytest.mark.parametrize("rows", [1, 7, 64, 65, 129])  # both sides of max_rows: 64 or 128
 def test_packed_layers_match_plain_matmuls_eager_and_compiled(rows):
     torch.manual_seed(rows)
     model = Model()

@@ -31,7 +31,7 @@ def isa(request):
 
 
 @pytest.mark.parametrize("out_features,in_features", [(96, 64), (200, 96), (37, 5), (17, 1)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 8, 13, 16, 24, 25, 32, 65])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 8, 9, 13, 16, 24, 25, 32, 65, 128])
 def test_matches_plain_matmul(rows, out_features, in_features, isa):
     torch.manual_seed(rows * 1000 + out_features)
     weight = torch.randn(out_features, in_features)

@@ -1,12 +1,13 @@
-// Emulated backend: `x @ W.T + bias` for the few rows of a decode step (AVX2 + FMA, and
+// Emulated backend: `x @ W.T + bias` for the rows of a decode step (AVX2 + FMA, and
 // AVX-512 where the CPU has it, chosen at run time).
 //
-// A decode step's matmuls read every weight once for a handful of rows, so they are bound
-// by how fast the weights stream from memory. The weight is stored as column blocks of 16
-// outputs, each [in_features][16] and contiguous: a block streams front to back while the
-// rows of x, broadcast one value at a time, stay in L1. Each block is a tile of
-// accumulators per row (2 x 8 floats on AVX2, one 16-float register on AVX-512), written
-// out once: no horizontal sums, no packing per call.
+// A decode step's matmuls read every weight once for a few to a few dozen rows, so they are
+// bound by how fast the weights stream from memory, and from ~16 rows on by the FMAs too.
+// The weight is stored as column blocks of 16 outputs, each [in_features][16] and
+// contiguous: a block streams front to back while the rows of x, broadcast one value at a
+// time, stay in L1. A tile is a set of accumulators per row (2 x 8 floats per block on
+// AVX2, one 16-float register per block on AVX-512), written out once: no horizontal sums,
+// no packing per call.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -27,15 +28,29 @@ namespace {
 constexpr int64_t kBlock = 16;  // output columns per weight block: two 8-float registers
 constexpr int kMaxTileRows = 6;  // 12 accumulators + 2 weight registers of AVX2's 16
 
-// y[m, 0:16] = bias + sum_k x[m, k] * block[k, 0:16] for Rows rows of x. Every loop over
-// rows is unrolled so the accumulators live in registers: a loop the compiler keeps
-// (it kept the epilogue's) pins them to the stack, with a store per FMA pair.
+// One call's work: `rows` rows of x times a panel of `blocks` adjacent weight blocks.
+struct Panel {
+  const float* x;
+  int64_t in_features;
+  const float* weight;  // the panel's first block
+  const float* bias;    // blocks * 16 values, or null
+  float* y;
+  int64_t ldy;
+  int64_t columns;      // valid output columns of the panel (its last block may be partial)
+  const float* next;    // the next panel, fetched into L2 while this one computes, or null
+  int64_t pass, passes; // this call is row tile `pass` of `passes` over the same panel
+};
+
+// y[m, 0:16] = bias + sum_k x[m, k] * block[k, 0:16] for Rows rows of x, one block. Every
+// loop over rows is unrolled so the accumulators live in registers: a loop the compiler
+// keeps (it kept the epilogue's) pins them to the stack, with a store per FMA pair.
 template <int Rows>
-void tile(const float* x, int64_t in_features, const float* block, const float* bias,
-          float* y, int64_t ldy, int64_t columns) {
+void tile(const Panel& p) {
+  const float* x = p.x;
+  const int64_t in_features = p.in_features;
   __m256 lo[Rows], hi[Rows];
-  const __m256 bias_lo = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
-  const __m256 bias_hi = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+  const __m256 bias_lo = p.bias ? _mm256_loadu_ps(p.bias) : _mm256_setzero_ps();
+  const __m256 bias_hi = p.bias ? _mm256_loadu_ps(p.bias + 8) : _mm256_setzero_ps();
 #pragma GCC unroll 8
   for (int m = 0; m < Rows; ++m) lo[m] = bias_lo, hi[m] = bias_hi;
   int64_t k = 0;
@@ -45,7 +60,7 @@ void tile(const float* x, int64_t in_features, const float* block, const float* 
 #pragma GCC unroll 8
     for (int m = 0; m < Rows; ++m) lo2[m] = hi2[m] = _mm256_setzero_ps();
     for (; k + 1 < in_features; k += 2) {
-      const float* w = block + k * kBlock;
+      const float* w = p.weight + k * kBlock;
       const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
       const __m256 w2 = _mm256_loadu_ps(w + 16), w3 = _mm256_loadu_ps(w + 24);
 #pragma GCC unroll 8
@@ -65,7 +80,7 @@ void tile(const float* x, int64_t in_features, const float* block, const float* 
     }
   }
   for (; k < in_features; ++k) {
-    const float* w = block + k * kBlock;
+    const float* w = p.weight + k * kBlock;
     const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
 #pragma GCC unroll 8
     for (int m = 0; m < Rows; ++m) {
@@ -74,11 +89,11 @@ void tile(const float* x, int64_t in_features, const float* block, const float* 
       hi[m] = _mm256_fmadd_ps(w1, a, hi[m]);
     }
   }
-  if (columns == kBlock) {
+  if (p.columns == kBlock) {
 #pragma GCC unroll 8
     for (int m = 0; m < Rows; ++m) {
-      _mm256_storeu_ps(y + m * ldy, lo[m]);
-      _mm256_storeu_ps(y + m * ldy + 8, hi[m]);
+      _mm256_storeu_ps(p.y + m * p.ldy, lo[m]);
+      _mm256_storeu_ps(p.y + m * p.ldy + 8, hi[m]);
     }
     return;
   }
@@ -89,61 +104,82 @@ void tile(const float* x, int64_t in_features, const float* block, const float* 
     _mm256_store_ps(out[m], lo[m]);
     _mm256_store_ps(out[m] + 8, hi[m]);
   }
-  for (int m = 0; m < Rows; ++m) std::memcpy(y + m * ldy, out[m], columns * sizeof(float));
+  for (int m = 0; m < Rows; ++m) std::memcpy(p.y + m * p.ldy, out[m], p.columns * sizeof(float));
 }
 
-// The same tile on AVX-512: a block is one register, so 32 registers hold up to 24 rows
-// and a block is streamed once for all of them, where AVX2 streams it once per 6 rows.
-constexpr int kMaxTileRows512 = 24;
+// AVX-512: a block is one register, so a tile is Rows rows x Blocks blocks (up to 8 x 3 or
+// 6 x 4: 24 accumulators, one weight load per Rows FMAs). A single block per tile, one
+// broadcast load per FMA, left the FMA units waiting on loads: 0.5-0.9x oneDNN from 2 rows.
+// The weights stream from memory while the FMAs run: the panel's blocks are prefetched 32
+// rows of k ahead into L1, and the next panel into L2, spread over this panel's row tiles
+// so the memory is busy for all of them (SmolLM2's gate_up at 32 rows: 23 -> 19 ms).
+constexpr int kMaxTileRows512 = 8;
+constexpr int kMaxBlocks512 = 4;
+constexpr int64_t kPrefetchAhead = 32 * kBlock;
 
-template <int Rows>
-__attribute__((target("avx512f"))) void tile512(const float* x, int64_t in_features,
-                                                 const float* block, const float* bias,
-                                                 float* y, int64_t ldy, int64_t columns) {
-  const __mmask16 valid = columns == kBlock ? 0xFFFF : (1u << columns) - 1;
-  const __m512 start = bias ? _mm512_maskz_loadu_ps(valid, bias) : _mm512_setzero_ps();
-  // Few rows are few FMA chains: two interleaved k halves keep both FMA units busy.
-  constexpr int kChains = Rows <= 4 ? 2 : 1;
-  __m512 acc[kChains][Rows];
-#pragma GCC unroll 24
-  for (int m = 0; m < Rows; ++m) {
-    acc[0][m] = start;
-    if constexpr (kChains == 2) acc[1][m] = _mm512_setzero_ps();
+int blocks_per_panel512(int64_t tile_rows) { return tile_rows <= 6 ? 4 : 3; }
+
+template <int Rows, int Blocks>
+__attribute__((target("avx512f"))) void tile512(const Panel& p) {
+  const int64_t stride = p.in_features * kBlock;  // from one block to the next
+  __m512 acc[Rows][Blocks];
+#pragma GCC unroll 4
+  for (int b = 0; b < Blocks; ++b) {
+    const __m512 start = p.bias ? _mm512_loadu_ps(p.bias + b * kBlock) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int m = 0; m < Rows; ++m) acc[m][b] = start;
   }
-  int64_t k = 0;
-  for (; k + kChains <= in_features; k += kChains) {
-#pragma GCC unroll 2
-    for (int c = 0; c < kChains; ++c) {
-      const __m512 w = _mm512_loadu_ps(block + (k + c) * kBlock);
-#pragma GCC unroll 24
-      for (int m = 0; m < Rows; ++m)
-        acc[c][m] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[m * in_features + k + c]), acc[c][m]);
+  int64_t next_k = p.pass * p.in_features / p.passes, phase = 0;
+  for (int64_t k = 0; k < p.in_features; ++k) {
+    __m512 w[Blocks];
+#pragma GCC unroll 4
+    for (int b = 0; b < Blocks; ++b) {
+      const float* row = p.weight + b * stride + k * kBlock;
+      w[b] = _mm512_loadu_ps(row);
+      _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchAhead), _MM_HINT_T0);
+    }
+    if (p.next && ++phase == p.passes) {  // one row of the next panel per `passes` rows
+      phase = 0;
+#pragma GCC unroll 4
+      for (int b = 0; b < Blocks; ++b)
+        _mm_prefetch(reinterpret_cast<const char*>(p.next + b * stride + next_k * kBlock),
+                     _MM_HINT_T1);
+      ++next_k;
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < Rows; ++m) {
+      const __m512 a = _mm512_set1_ps(p.x[m * p.in_features + k]);
+#pragma GCC unroll 4
+      for (int b = 0; b < Blocks; ++b) acc[m][b] = _mm512_fmadd_ps(w[b], a, acc[m][b]);
     }
   }
-  for (; k < in_features; ++k) {
-    const __m512 w = _mm512_loadu_ps(block + k * kBlock);
-#pragma GCC unroll 24
+#pragma GCC unroll 4
+  for (int b = 0; b < Blocks; ++b) {
+    const int64_t valid = std::clamp<int64_t>(p.columns - b * kBlock, 0, kBlock);
+    const __mmask16 mask = valid == kBlock ? 0xFFFF : (1u << valid) - 1;
+#pragma GCC unroll 8
     for (int m = 0; m < Rows; ++m)
-      acc[0][m] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[m * in_features + k]), acc[0][m]);
-  }
-#pragma GCC unroll 24
-  for (int m = 0; m < Rows; ++m) {
-    if constexpr (kChains == 2) acc[0][m] = _mm512_add_ps(acc[0][m], acc[1][m]);
-    _mm512_mask_storeu_ps(y + m * ldy, valid, acc[0][m]);
+      _mm512_mask_storeu_ps(p.y + m * p.ldy + b * kBlock, mask, acc[m][b]);
   }
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, const float*, float*, int64_t,
-                        int64_t);
+using TileFn = void (*)(const Panel&);
+
+template <int Rows>
+constexpr std::array<TileFn, kMaxBlocks512 + 1> row_tiles512() {
+  return {nullptr, tile512<Rows, 1>, tile512<Rows, 2>, tile512<Rows, 3>, tile512<Rows, 4>};
+}
 
 template <int... Rows>
-constexpr std::array<TileFn, sizeof...(Rows) + 1> tiles512(std::integer_sequence<int, Rows...>) {
-  return {nullptr, tile512<Rows + 1>...};
+constexpr std::array<std::array<TileFn, kMaxBlocks512 + 1>, sizeof...(Rows) + 1> tiles512(
+    std::integer_sequence<int, Rows...>) {
+  return {std::array<TileFn, kMaxBlocks512 + 1>{}, row_tiles512<Rows + 1>()...};
 }
 
 struct Kernel {
-  const TileFn* tiles;  // tiles[h]: a tile of h rows
-  int max_rows;
+  TileFn (*tile)(int64_t rows, int64_t blocks);
+  int64_t (*blocks_per_panel)(int64_t tile_rows);
+  int64_t max_tile_rows;
 };
 
 // Tests set this to run the AVX2 tiles on a CPU with AVX-512 too.
@@ -154,14 +190,17 @@ Kernel pick_kernel() {
                                                       tile<4>, tile<5>, tile<6>};
   static constexpr auto kTiles512 = tiles512(std::make_integer_sequence<int, kMaxTileRows512>());
   static const bool avx512 = __builtin_cpu_supports("avx512f");
-  if (avx512 && !avx2_only) return {kTiles512.data(), kMaxTileRows512};
-  return {kTiles, kMaxTileRows};
+  if (avx512 && !avx2_only)
+    return {[](int64_t rows, int64_t blocks) { return kTiles512[rows][blocks]; },
+            [](int64_t rows) -> int64_t { return blocks_per_panel512(rows); }, kMaxTileRows512};
+  return {[](int64_t rows, int64_t) { return kTiles[rows]; },
+          [](int64_t) -> int64_t { return 1; }, kMaxTileRows};
 }
 
 // Which tiles run: "avx512" or "avx2"; `avx2_only` restricts them to AVX2.
 std::string skinny_matmul_isa(bool avx2_only_) {
   avx2_only = avx2_only_;
-  return pick_kernel().max_rows == kMaxTileRows512 ? "avx512" : "avx2";
+  return pick_kernel().max_tile_rows == kMaxTileRows512 ? "avx512" : "avx2";
 }
 
 // weight_blocks: [ceil(N / 16), K, 16], zero beyond column N (pack_weight in Python).
@@ -194,24 +233,31 @@ at::Tensor skinny_matmul(const at::Tensor& x_in, const at::Tensor& weight_blocks
   float* yp = y.mutable_data_ptr<float>();
   const Kernel kernel = pick_kernel();
   // Row tiles of near-equal height: on AVX2 (at most 6) 8 rows run as 4 + 4, 16 as 6 + 5 + 5.
-  const int64_t tiles = (rows + kernel.max_rows - 1) / kernel.max_rows;
+  const int64_t tiles = (rows + kernel.max_tile_rows - 1) / kernel.max_tile_rows;
+  const int64_t width = kernel.blocks_per_panel((rows + tiles - 1) / tiles);
+  const int64_t panels = (blocks + width - 1) / width;
+  const int64_t panel_floats = width * in_features * kBlock;
   // A task streams at least ~64 KB of weights so small layers do not pay for the fork.
-  const int64_t grain = std::max<int64_t>(1, 65536 / (in_features * kBlock * 4));
-  at::parallel_for(0, blocks, grain, [&](int64_t first, int64_t last) {
-    for (int64_t b = first; b < last; ++b) {
-      const int64_t columns = std::min(kBlock, out_features - b * kBlock);
-      const float* block = wp + b * in_features * kBlock;
-      // The last block's bias, padded with zeros, so the tile reads 16 values everywhere.
-      alignas(32) float bias_tail[kBlock] = {};
-      const float* block_bias = bias ? bias + b * kBlock : nullptr;
-      if (bias && columns < kBlock) {
-        std::memcpy(bias_tail, block_bias, columns * sizeof(float));
-        block_bias = bias_tail;
+  const int64_t grain = std::max<int64_t>(1, 65536 / (panel_floats * 4));
+  at::parallel_for(0, panels, grain, [&](int64_t first, int64_t last) {
+    for (int64_t panel = first; panel < last; ++panel) {
+      const int64_t block = panel * width, panel_blocks = std::min(width, blocks - block);
+      const int64_t columns = std::min(panel_blocks * kBlock, out_features - block * kBlock);
+      // The last panel's bias, padded with zeros, so a tile reads whole blocks everywhere.
+      alignas(64) float bias_tail[kMaxBlocks512 * kBlock] = {};
+      const float* panel_bias = bias ? bias + block * kBlock : nullptr;
+      if (bias && columns < panel_blocks * kBlock) {
+        std::memcpy(bias_tail, panel_bias, columns * sizeof(float));
+        panel_bias = bias_tail;
       }
-      for (int64_t t = 0, row = 0; t < tiles; ++t) {
-        const int64_t height = (rows - row) / (tiles - t);
-        kernel.tiles[height](xp + row * in_features, in_features, block, block_bias,
-                       yp + row * out_features + b * kBlock, out_features, columns);
+      Panel p{nullptr, in_features, wp + block * in_features * kBlock, panel_bias, nullptr,
+              out_features, columns, panel + 1 < last ? wp + (panel + 1) * panel_floats : nullptr,
+              0, tiles};
+      for (int64_t row = 0; p.pass < tiles; ++p.pass) {
+        const int64_t height = (rows - row) / (tiles - p.pass);
+        p.x = xp + row * in_features;
+        p.y = yp + row * out_features + block * kBlock;
+        kernel.tile(height, panel_blocks)(p);
         row += height;
       }
     }

@@ -1,7 +1,8 @@
-"""Emulated backend: the matmuls of decode steps (a few rows) on our own kernel.
+"""Emulated backend: the matmuls of decode steps (a few to ~100 rows) on our own kernel.
 
 At 1-8 rows a matmul reads every weight once and does little else, so its speed is the
-speed the weight streams from memory. Per weight shape of SmolLM2, all layers
+speed the weight streams from memory; from ~16 rows on the FMAs count too, and the kernel
+must keep both busy at once. Per weight shape of SmolLM2, all layers
 (`benchmarks/linear_bench.py`, results/linear_kernels-smollm2-135m-<isa>.md):
 
 * 2-core AMD EPYC (Zen 3, AVX2; a plain sum reads 17-23 GB/s): oneDNN's matmul on a
@@ -9,8 +10,8 @@ speed the weight streams from memory. Per weight shape of SmolLM2, all layers
   14-20 GB/s. The kernel is 1.4-1.9x oneDNN at 1 row, 1.4-1.6x at 8, 1.1-1.5x at 16-32,
   1.0-1.35x at 64 and 0.9-1.05x at 256.
 * 2-core Intel Xeon (Emerald Rapids, AVX-512), where oneDNN runs AVX-512 kernels of its own:
-  the kernel's AVX-512 tile is 0.94-1.31x oneDNN at 1 row (above 1 for all but the LM
-  head) and 0.68-1.49x from 2 rows on, below 1 for most shapes.
+  the kernel's AVX-512 tiles (up to 8 rows x 48 or 6 x 64 columns, prefetching the weight
+  ahead) are faster than oneDNN from 1 to 128 rows and even with it at 256.
 
 So steps of up to `max_rows()` rows run on it, larger ones on oneDNN; each linear keeps
 both weight layouts, twice the weight memory.
@@ -27,7 +28,7 @@ import torch
 from neuron_serve.model_runner import cpu_extension
 
 # Steps of up to this many rows run on the kernel, by torch's CPU capability (see above).
-_MAX_ROWS = {"AVX2": 64, "AVX512": 1}
+_MAX_ROWS = {"AVX2": 64, "AVX512": 128}
 _BLOCK = 16  # output columns per weight block; kBlock in the C++ source
 
 
