@@ -7,6 +7,7 @@ has never run: no Trainium exists where this project is developed and tested.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import importlib.util
@@ -84,6 +85,14 @@ class Device:
             from neuron_serve.model_runner import compile_regions
             count = compile_regions.compile_layers_once(model)
             logger.info("emulated backend: %d decoder layers compiled once per graph", count)
+
+    def kv_cache_memory(self) -> contextlib.AbstractContextManager:
+        """Where vLLM allocates the KV cache. Emulated: host memory on huge pages
+        (huge_pages.py); Trainium: the device's own memory, as vLLM allocates it."""
+        if self.backend == "emulated":
+            from neuron_serve.model_runner import huge_pages
+            return huge_pages.kv_cache_zeros()
+        return contextlib.nullcontext()
 
     @property
     def packed_linear(self) -> bool:

@@ -7,7 +7,6 @@ sample with vLLM's Sampler → record the new tokens.
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import numpy as np
@@ -87,7 +86,7 @@ class NeuronModelRunner:
             raise RuntimeError(f"KV cache block size {block_size} differs from the one the "
                                f"buckets were planned for ({self.config.block_size})")
         layout = self.vllm_config.cache_config.get_resolved_kv_cache_layout()
-        with background.uncommitted_zeros() if lazy else contextlib.nullcontext():
+        with background.uncommitted_zeros() if lazy else device_mod.current().kv_cache_memory():
             views = allocate_kv_cache(kv_cache_config, self.device, layout)
         # [blocks, kv heads, block size, 2 * head] → token-major [blocks, block size, kv heads, 2 * head]
         caches = {name: t.permute(0, 2, 1, 3) for name, t in views.items()}

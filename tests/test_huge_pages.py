@@ -1,0 +1,44 @@
+"""The emulated KV cache on huge pages (huge_pages.py): zeroed, writable memory that lives as
+long as its tensor, and only vLLM's KV-cache allocation is redirected to it."""
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+
+from neuron_serve.model_runner import huge_pages
+
+
+def _anon_huge_kb() -> int:
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+def test_zeros_are_zero_writable_and_outlive_their_mapping():
+    before = _anon_huge_kb()
+    buf = huge_pages.zeros((8 << 20) + 3)
+    assert buf.dtype == torch.int8 and buf.numel() == (8 << 20) + 3
+    assert not buf.any()
+    gc.collect()  # the mapping object is referenced by the tensor alone
+    view = buf[: 8 << 20].view(torch.float32).view(-1, 64)
+    view[-1] = 1.5
+    assert view.sum().item() == 1.5 * 64
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    if "[never]" in mode:
+        pytest.skip("transparent huge pages are off on this machine")
+    assert _anon_huge_kb() - before >= 2048  # at least one 2 MB page of the 8 MB
+
+
+def test_only_the_kv_cache_allocation_is_redirected():
+    plain = torch.zeros
+    with huge_pages.kv_cache_zeros():
+        kv = torch.zeros(1 << 20, dtype=torch.int8, device=torch.device("cpu"))
+        other = torch.zeros(4, 4)
+        ints = torch.zeros(16, dtype=torch.int8, requires_grad=False)
+    assert torch.zeros is plain
+    assert not kv.any() and kv.shape == (1 << 20,)
+    assert not kv.untyped_storage().resizable()  # ours: a fixed mapping, not torch's allocator
+    assert other.untyped_storage().resizable() and ints.untyped_storage().resizable()
