@@ -176,31 +176,35 @@ constexpr std::array<std::array<TileFn, kMaxBlocks512 + 1>, sizeof...(Rows) + 1>
   return {std::array<TileFn, kMaxBlocks512 + 1>{}, row_tiles512<Rows + 1>()...};
 }
 
+constexpr TileFn kTiles[kMaxTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>,
+                                             tile<4>, tile<5>, tile<6>};
+constexpr auto kTiles512 = tiles512(std::make_integer_sequence<int, kMaxTileRows512>());
+
+// The tiles a call runs: AVX-512's (panels of 3-4 blocks) or AVX2's (one block).
 struct Kernel {
-  TileFn (*tile)(int64_t rows, int64_t blocks);
-  int64_t (*blocks_per_panel)(int64_t tile_rows);
-  int64_t max_tile_rows;
+  bool avx512;
+
+  int64_t max_tile_rows() const { return avx512 ? kMaxTileRows512 : kMaxTileRows; }
+  int64_t blocks_per_panel(int64_t tile_rows) const {
+    return avx512 ? blocks_per_panel512(tile_rows) : 1;
+  }
+  TileFn tile(int64_t rows, int64_t blocks) const {
+    return avx512 ? kTiles512[rows][blocks] : kTiles[rows];
+  }
 };
 
 // Tests set this to run the AVX2 tiles on a CPU with AVX-512 too.
 std::atomic<bool> avx2_only{false};
 
 Kernel pick_kernel() {
-  static constexpr TileFn kTiles[kMaxTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>,
-                                                      tile<4>, tile<5>, tile<6>};
-  static constexpr auto kTiles512 = tiles512(std::make_integer_sequence<int, kMaxTileRows512>());
   static const bool avx512 = __builtin_cpu_supports("avx512f");
-  if (avx512 && !avx2_only)
-    return {[](int64_t rows, int64_t blocks) { return kTiles512[rows][blocks]; },
-            [](int64_t rows) -> int64_t { return blocks_per_panel512(rows); }, kMaxTileRows512};
-  return {[](int64_t rows, int64_t) { return kTiles[rows]; },
-          [](int64_t) -> int64_t { return 1; }, kMaxTileRows};
+  return {avx512 && !avx2_only};
 }
 
 // Which tiles run: "avx512" or "avx2"; `avx2_only` restricts them to AVX2.
 std::string skinny_matmul_isa(bool avx2_only_) {
   avx2_only = avx2_only_;
-  return pick_kernel().max_tile_rows == kMaxTileRows512 ? "avx512" : "avx2";
+  return pick_kernel().avx512 ? "avx512" : "avx2";
 }
 
 // weight_blocks: [ceil(N / 16), K, 16], zero beyond column N (pack_weight in Python).
@@ -233,7 +237,7 @@ at::Tensor skinny_matmul(const at::Tensor& x_in, const at::Tensor& weight_blocks
   float* yp = y.mutable_data_ptr<float>();
   const Kernel kernel = pick_kernel();
   // Row tiles of near-equal height: on AVX2 (at most 6) 8 rows run as 4 + 4, 16 as 6 + 5 + 5.
-  const int64_t tiles = (rows + kernel.max_tile_rows - 1) / kernel.max_tile_rows;
+  const int64_t tiles = (rows + kernel.max_tile_rows() - 1) / kernel.max_tile_rows();
   const int64_t width = kernel.blocks_per_panel((rows + tiles - 1) / tiles);
   const int64_t panels = (blocks + width - 1) / width;
   const int64_t panel_floats = width * in_features * kBlock;
