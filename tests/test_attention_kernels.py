@@ -89,6 +89,7 @@ CASES = [  # seq_lens, query_lens: decodes, prefill chunks with and without pref
     ([17, 9, 33], [1, 1, 1]),
     ([40, 12, 7], [8, 1, 7]),
     ([64, 3, 29, 50], [64, 1, 5, 1]),
+    ([100, 65, 33], [1, 1, 1]),  # decodes over 2-4 of the cpu kernel's 32-position chunks
 ]
 
 
