@@ -45,6 +45,11 @@ def _cpu_facts() -> tuple[str, list[str]]:
     return name, flags
 
 
+def describe() -> str:
+    """One line naming this machine: CPU, cores, the ISA torch uses."""
+    return f"{_cpu_facts()[0]}, {os.cpu_count()} cores, {torch.backends.cpu.get_cpu_capability()}"
+
+
 def _best_seconds(fn, repeats: int = 15) -> float:
     """The fastest of `repeats` runs: other work on a shared machine only ever slows a run
     down, so the best time is the closest to what the hardware can do (a median once read

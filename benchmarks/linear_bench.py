@@ -83,14 +83,8 @@ def run(config) -> list[dict]:
     return rows_out
 
 
-def _machine() -> str:
-    import os
-
-    from hardware import _cpu_facts
-    return f"{_cpu_facts()[0]}, {os.cpu_count()} cores, {torch.backends.cpu.get_cpu_capability()}"
-
-
 def markdown(model: str, rows: list[dict]) -> str:
+    import hardware
     from neuron_serve.model_runner import skinny_matmul
 
     lines = [f"# Linear layers of {model}: aten GEMM, prepacked oneDNN, skinny kernel", "",
@@ -99,7 +93,7 @@ def markdown(model: str, rows: list[dict]) -> str:
              "median of 5) taking turns. GB/s counts weight bytes read once; \"sum GB/s\" is "
              "a plain sum of as many bytes, the memory's pace in the same round. The emulated "
              "backend runs the skinny kernel up to `skinny_matmul.max_rows()` rows, oneDNN "
-             f"above: {skinny_matmul.max_rows()} on this CPU ({_machine()}).",
+             f"above: {skinny_matmul.max_rows()} on this CPU ({hardware.describe()}).",
              "",
              "| weight | rows | aten ms | packed ms | skinny ms | packed ÷ skinny | "
              "packed GB/s | skinny GB/s | sum GB/s | best GFLOP/s |",

@@ -75,10 +75,11 @@ def summarize(steps: list[dict]) -> dict[str, dict]:
     return rows
 
 
-def markdown(model: str, results: dict[int, dict[str, dict]], prompt: int, output: int) -> str:
+def markdown(model: str, results: dict[int, dict[str, dict]], prompt: int, output: int,
+             machine: str) -> str:
     lines = [f"## Step profile, {model} shape (prompt {prompt}, output {output}; median step, ms)", "",
              "`.venv/bin/python benchmarks/step_profile.py`: inductor's kernel profiler inside "
-             "our compiled steps.", "",
+             f"our compiled steps. Machine: {machine}.", "",
              "| sequences | step | steps | step ms | matmuls | attention | other kernels | outside kernels |",
              "|---|---|---|---|---|---|---|---|"]
     for batch, rows in results.items():
@@ -95,6 +96,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--output", type=int, default=128)
+    parser.add_argument("--name", help="file stem suffix (default: the ISA torch reports)")
     args = parser.parse_args()
     os.environ["NEURON_SERVE_DEVICE"] = "neuron"
     os.environ["TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE"] = "1"
@@ -120,11 +122,12 @@ def main() -> None:
             llm.generate(requests, params, use_tqdm=False)
             trace = llm.collective_rpc("stop_step_profile")[0]["trace"]
             results[batch] = summarize(split_steps(trace))
-    text = markdown(args.model, results, args.prompt, args.output)
-    print(text)
+    import hardware
     import torch
-    isa = torch.backends.cpu.get_cpu_capability().lower()
-    (HERE / "results" / f"step_profile-{args.model}-{isa}.md").write_text(text + "\n")
+    text = markdown(args.model, results, args.prompt, args.output, hardware.describe())
+    print(text)
+    suffix = args.name or torch.backends.cpu.get_cpu_capability().lower()
+    (HERE / "results" / f"step_profile-{args.model}-{suffix}.md").write_text(text + "\n")
 
 
 if __name__ == "__main__":
