@@ -4,7 +4,7 @@ weights and its own in-place cache, and the compiled model matches eager."""
 import torch
 from torch import nn
 
-from neuron_serve.model_runner.compile_regions import compile_layers_once
+from neuron_serve.model_runner.compile_regions import compile_layers_once, layers_inlined
 
 
 class Layer(nn.Module):
@@ -67,3 +67,19 @@ def test_marking_twice_changes_nothing():
     region = type(model.layers[0])
     assert compile_layers_once(model) == 3
     assert type(model.layers[0]) is region and isinstance(model.layers[0], Layer)
+
+
+def test_layers_inlined_traces_every_layer_inline_and_restores_the_regions():
+    x, slot = torch.randn(2, 16), torch.tensor([3, 5])
+    eager, compiled = Stack(3), Stack(3)
+    expected = eager(x, slot)
+    compile_layers_once(compiled)
+    region = type(compiled.layers[0])
+
+    with layers_inlined(compiled):
+        assert all(type(layer) is Layer for layer in compiled.layers)
+        out, calls = traced_regions(compiled, x, slot)
+
+    assert calls == []  # no compile region left in the trace
+    torch.testing.assert_close(out, expected)
+    assert all(type(layer) is region for layer in compiled.layers)

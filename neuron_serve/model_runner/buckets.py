@@ -41,6 +41,11 @@ class Bucket:
                 and num_blocks <= self.num_blocks)
 
     @property
+    def is_decode(self) -> bool:
+        """One token per request: a decode bucket of the grid."""
+        return self.num_tokens == self.num_reqs and not self.query_tile
+
+    @property
     def num_tiles(self) -> int:
         return self.num_tokens // self.query_tile if self.query_tile else 0
 

@@ -11,8 +11,10 @@ the residual stream; one with another sliding window) gets a region of its own.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import zlib
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -37,6 +39,20 @@ def compile_layers_once(model: nn.Module) -> int:
         marked += len(stack)
         inside.append(name + ".")
     return marked
+
+
+@contextlib.contextmanager
+def layers_inlined(model: nn.Module) -> Iterator[None]:
+    """While tracing inside, every marked layer is its own class again: the graph inlines
+    each layer (inductor's C++ wrapper cannot emit compile regions)."""
+    marked = [(m, type(m)) for m in model.modules() if type(m).__module__ == __name__]
+    for module, region in marked:
+        module.__class__ = region.__mro__[1]
+    try:
+        yield
+    finally:
+        for module, region in marked:
+            module.__class__ = region
 
 
 def _region_class(cls: type, max_variants: int) -> type:

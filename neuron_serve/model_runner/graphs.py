@@ -22,6 +22,7 @@ from vllm.forward_context import create_forward_context, override_forward_contex
 
 from neuron_serve.graph_cache.store import GraphCache, GraphKey
 from neuron_serve.logs import init_logger
+from neuron_serve.model_runner import compile_regions
 from neuron_serve.model_runner.buckets import Bucket
 from neuron_serve.model_runner.inputs import BucketBuffers
 
@@ -52,9 +53,11 @@ class StepGraphs:
     def __init__(self, model: torch.nn.Module, vllm_config, grid: list[Bucket],
                  device: torch.device, compile_backend: str | None,
                  cache: GraphCache | None = None,
-                 key_of: Callable[[Bucket], GraphKey] | None = None):
+                 key_of: Callable[[Bucket], GraphKey] | None = None,
+                 options_of: Callable[[Bucket], dict | None] = lambda bucket: None):
         self.model, self.vllm_config = model, vllm_config
         self.compile_backend, self.cache, self.key_of = compile_backend, cache, key_of
+        self.options_of = options_of  # torch.compile options per bucket
         self.buffers = {b: BucketBuffers(b, device) for b in grid}
         # One metadata object for all layers, not one per layer name (attention/layer.py).
         self._contexts = {b: create_forward_context(buf.attn_metadata, vllm_config)
@@ -141,8 +144,9 @@ class StepGraphs:
         if data is None:
             return False
         try:
-            fn = torch.compiler.load_compiled_function(io.BytesIO(data), f_globals=step.__globals__)
-            self._smoke_run(bucket, fn)
+            with self._traced_layers(bucket):
+                fn = torch.compiler.load_compiled_function(io.BytesIO(data), f_globals=step.__globals__)
+                self._smoke_run(bucket, fn)
         except Exception as e:  # noqa: BLE001 - any unusable entry is rebuilt, never fatal
             self.cache.evict(key.digest, f"cannot load: {type(e).__name__}: {e}")
             return False
@@ -152,15 +156,35 @@ class StepGraphs:
         return True
 
     def _compile(self, bucket: Bucket) -> Callable:
+        options = self.options_of(bucket)
+        with self._traced_layers(bucket):
+            try:
+                fn = self._aot_compile(bucket, options)
+            except Exception as error:  # noqa: BLE001 - the plain build below still serves
+                if not options:
+                    raise
+                logger.warning("graph %s: compiling with %s failed (%s: %s); compiling it "
+                               "without them", bucket, options, type(error).__name__, error)
+                fn = self._aot_compile(bucket, None)
+            self.num_compiles += 1
+            self._smoke_run(bucket, fn)
+        return fn
+
+    def _aot_compile(self, bucket: Bucket, options: dict | None) -> Callable:
         self.buffers[bucket].fill({})  # padding only: writes reach the null block alone
-        compiled = torch.compile(step, backend=self.compile_backend, fullgraph=True, dynamic=False)
+        compiled = torch.compile(step, backend=self.compile_backend, fullgraph=True,
+                                 dynamic=False, options=options)
         buf = self.buffers[bucket]
         with torch.no_grad(), override_forward_context(self._contexts[bucket]):
-            fn = compiled.aot_compile(
+            return compiled.aot_compile(
                 ((self.model, buf.input_ids, buf.positions, buf.logits_indices), {}))
-        self.num_compiles += 1
-        self._smoke_run(bucket, fn)
-        return fn
+
+    def _traced_layers(self, bucket: Bucket) -> contextlib.AbstractContextManager:
+        """A graph built with options (the C++ wrapper, which cannot emit compile regions)
+        inlines every layer; it is traced, loaded and checked with the layers so."""
+        if self.options_of(bucket):
+            return compile_regions.layers_inlined(self.model)
+        return contextlib.nullcontext()
 
     def _smoke_run(self, bucket: Bucket, fn: Callable) -> None:
         buf = self.buffers[bucket]

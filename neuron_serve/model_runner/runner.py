@@ -109,7 +109,8 @@ class NeuronModelRunner:
             options = dev.compile_options()
             key_of = lambda bucket: graph_key(self.vllm_config, bucket, num_blocks, options)  # noqa: E731
         return StepGraphs(self.model, self.vllm_config, list(cfg.grid), self.device,
-                          dev.compile_backend if cfg.compile else None, cache, key_of)
+                          dev.compile_backend if cfg.compile else None, cache, key_of,
+                          lambda bucket: dev.inductor_options(bucket.is_decode))
 
     def warm_up(self, progress=log_progress) -> float:
         """Give buckets their graphs per the compile mode; seconds spent."""
