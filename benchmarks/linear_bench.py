@@ -114,12 +114,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m", choices=sorted(SHAPES))
     parser.add_argument("--out", default=str(HERE / "results"))
+    parser.add_argument("--name", help="file stem suffix (default: the ISA torch reports)")
     args = parser.parse_args()
     import transformers
     config = transformers.AutoConfig.from_pretrained(checkpoint(args.model))
     text = markdown(args.model, run(config))
-    isa = torch.backends.cpu.get_cpu_capability().lower()
-    out = Path(args.out) / f"linear_kernels-{args.model}-{isa}.md"
+    suffix = args.name or torch.backends.cpu.get_cpu_capability().lower()
+    out = Path(args.out) / f"linear_kernels-{args.model}-{suffix}.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(text + f"\nwritten: {out}")
 
