@@ -88,7 +88,7 @@ def markdown(model: str, rows: list[dict]) -> str:
     from neuron_serve.model_runner import skinny_matmul
 
     lines = [f"# Linear layers of {model}: aten GEMM, prepacked oneDNN, skinny kernel", "",
-             "Command: `benchmarks/linear_bench.py --model " + model + "`  ",
+             f"Command: `{' '.join(['benchmarks/linear_bench.py', *sys.argv[1:]])}`  ",
              f"torch threads {torch.get_num_threads()}, fp32, median of 3 rounds (each a "
              "median of 5) taking turns. GB/s counts weight bytes read once; \"sum GB/s\" is "
              "a plain sum of as many bytes, the memory's pace in the same round. The emulated "

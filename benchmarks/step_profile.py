@@ -78,7 +78,8 @@ def summarize(steps: list[dict]) -> dict[str, dict]:
 def markdown(model: str, results: dict[int, dict[str, dict]], prompt: int, output: int,
              machine: str) -> str:
     lines = [f"## Step profile, {model} shape (prompt {prompt}, output {output}; median step, ms)", "",
-             "`.venv/bin/python benchmarks/step_profile.py`: inductor's kernel profiler inside "
+             f"`.venv/bin/python {' '.join(['benchmarks/step_profile.py', *sys.argv[1:]])}`: "
+             "inductor's kernel profiler inside "
              f"our compiled steps. Machine: {machine}.", "",
              "| sequences | step | steps | step ms | matmuls | attention | other kernels | outside kernels |",
              "|---|---|---|---|---|---|---|---|"]
