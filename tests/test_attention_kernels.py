@@ -264,3 +264,28 @@ def test_cpu_kernels_reject_block_ids_and_tokens_outside_their_tensors():
     with pytest.raises(RuntimeError, match=f"tile 0 row 0 is token {len(query)} of {len(query)}"):
         ops.paged_attention_tiles(query, kv_cache, table, bad_tokens, tiles.tile_req, pos_of,
                                   0.25, 0, 0.0)
+
+
+@NEEDS_AVX2
+@pytest.mark.parametrize("threads", [2, 3, 4])
+@pytest.mark.parametrize("seq_lens", [[200], [150, 70], [31]])  # 6, 4 / 2 and 0 chunks
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (100, None), (None, 5.0)])
+@pytest.mark.parametrize("isa", [None, "avx2"])
+def test_decode_of_fewer_tokens_than_threads_splits_positions_and_matches_naive(
+        threads, seq_lens, window, soft_cap, isa):
+    """With fewer decode tokens than threads the C++ kernel splits each token's positions
+    among the threads and merges the parts' softmaxes: the same attention as one pass."""
+    query, kv_cache, table, req_of, pos_of, dense, n = make_case(
+        3, seq_lens, [1] * len(seq_lens), 6, 2, 64, 32, pad_tokens=0)
+    cpu_kernels.kernel_set()  # loads the ops
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with cpu_isa(isa):
+            out = torch.ops.neuron_serve.paged_attention(query, kv_cache, table, req_of, pos_of,
+                                                         0.125, window or 0, soft_cap or 0.0)
+    finally:
+        torch.set_num_threads(before)
+    expected = torch.stack([naive_attention(query[t], *dense[req_of[t]], int(pos_of[t]), 0.125,
+                                            window, soft_cap) for t in range(n)])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

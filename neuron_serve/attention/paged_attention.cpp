@@ -6,7 +6,7 @@
 // padded block table, visible or not, once per query head. Here each (token, KV head)
 // reads its visible keys and values once, for all the query heads that share them:
 // their scores, a softmax, then the values weighted by it (a decode token: chunk by chunk,
-// with a running softmax).
+// with a running softmax; with fewer tokens than threads, in parts merged at the end).
 //
 // KV cache: [num_blocks, block_size, num_kv_heads, 2 * head_size], key then value.
 
@@ -96,6 +96,7 @@ struct Shapes {
 };
 
 constexpr int64_t kMaxHeads = 256;  // query heads
+constexpr int64_t kMaxParts = 64;   // parts one token's positions are split into (threads)
 
 struct Scratch {  // per thread, reused across tokens
   std::vector<float> probs;
@@ -341,11 +342,12 @@ constexpr int64_t kChunk = 32;
 // chunks with a running softmax: per chunk the scores, the new running maximum, and the
 // values weighed into the output, whose sum so far is rescaled by how far the maximum rose.
 // A position's keys and values of all KV heads are one contiguous row of its block, so a
-// block streams front to back.
+// block streams front to back. Leaves out unnormalized: per head h, the sum of
+// e^(score - max[h]) * value, with sum[h] the sum of those weights (merge_parts divides).
 template <int D>
 void attend(const float* q, const float* kv, const int64_t* blocks, int64_t first,
             int64_t last, const Shapes& s, float scale, float soft_cap,
-            Scratch& scratch, float* out) {
+            Scratch& scratch, float* out, float* max, float* sum) {
   const int64_t n = last - first + 1, group = s.heads / s.kv_heads;
   const int64_t row_floats = s.kv_heads * 2 * D;  // one position of a block
   std::vector<const float*>& row_at = scratch.rows;  // i-th visible position; then the last
@@ -356,7 +358,7 @@ void attend(const float* q, const float* kv, const int64_t* blocks, int64_t firs
   }
   std::vector<float>& probs = scratch.probs;
   probs.resize(s.heads * kChunk);
-  float max[kMaxHeads], sum[kMaxHeads], keep[kMaxHeads];
+  float keep[kMaxHeads];
   for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
     const int64_t count = std::min(kChunk, n - c0);
     load_rows(row_at.data() + c0, count, row_floats);
@@ -376,9 +378,26 @@ void attend(const float* q, const float* kv, const int64_t* blocks, int64_t firs
                      kChunk, group, keep + h, out + h * D);
     }
   }
-  for (int64_t h = 0; h < s.heads; ++h) {
-    const float norm = 1.0f / sum[h];
-    for (int64_t d = 0; d < D; ++d) out[h * D + d] *= norm;
+}
+
+// One token's output from `parts` attends over consecutive ranges of its positions (outs:
+// [parts][heads][head_size], in place when there is one part): each part's weights are
+// rescaled to the largest maximum, then the weighed values summed and divided by the weights.
+void merge_parts(const float* outs, const float* max, const float* sum, int64_t parts,
+                 int64_t heads, int64_t head_size, float* out) {
+  for (int64_t h = 0; h < heads; ++h) {
+    float top = max[h], total = 0.0f, weight[kMaxParts];
+    for (int64_t p = 1; p < parts; ++p) top = std::max(top, max[p * heads + h]);
+    for (int64_t p = 0; p < parts; ++p) {
+      weight[p] = std::exp(max[p * heads + h] - top);
+      total += weight[p] * sum[p * heads + h];
+    }
+    for (int64_t p = 0; p < parts; ++p) weight[p] /= total;
+    for (int64_t d = 0; d < head_size; ++d) {
+      float value = 0.0f;
+      for (int64_t p = 0; p < parts; ++p) value += weight[p] * outs[(p * heads + h) * head_size + d];
+      out[h * head_size + d] = value;
+    }
   }
 }
 
@@ -437,16 +456,42 @@ at::Tensor paged_attention(const at::Tensor& query_in, const at::Tensor& kv_cach
   const float* q = query.const_data_ptr<float>();
   const float* kv = kv_cache.const_data_ptr<float>();
   float* o = out.mutable_data_ptr<float>();
-  at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
+  // Fewer tokens than threads (a decode of one or a few sequences): each token's positions
+  // are split into `parts` ranges of at least a chunk, attended by different threads, then
+  // merged; otherwise one part per token, attended in place. One token over 640 positions,
+  // 30 layers, 2-core AMD EPYC: 3.0-3.6 ms on one thread, 1.8-2.0 in two parts.
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = std::clamp<int64_t>(tokens < threads ? threads / tokens : 1, 1, kMaxParts);
+  const int64_t head_floats = s.heads * head_size;
+  std::vector<float> partial(parts > 1 ? tokens * parts * head_floats : 0);
+  std::vector<float> maxes(tokens * parts * s.heads), sums(tokens * parts * s.heads);
+  auto first_of = [&](int64_t t) {
+    return sliding_window > 0 ? std::max<int64_t>(0, pos[t] - sliding_window + 1) : 0;
+  };
+  auto parts_of = [&](int64_t t) {
+    return std::clamp<int64_t>((pos[t] - first_of(t) + 1) / kChunk, 1, parts);
+  };
+  at::parallel_for(0, tokens * parts, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t first =
-          sliding_window > 0 ? std::max<int64_t>(0, pos[t] - sliding_window + 1) : 0;
-      const int64_t offset = t * s.heads * head_size;
-      attend_token(q + offset, kv, table + req[t] * s.blocks_per_req, first, pos[t], s,
-             static_cast<float>(scale), static_cast<float>(soft_cap), scratch, o + offset);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / parts, part = item % parts, n_parts = parts_of(t);
+      if (part >= n_parts) continue;
+      const int64_t first = first_of(t), n = pos[t] - first + 1;
+      float* dest = parts > 1 ? partial.data() + item * head_floats : o + t * head_floats;
+      attend_token(q + t * head_floats, kv, table + req[t] * s.blocks_per_req,
+                   first + part * n / n_parts, first + (part + 1) * n / n_parts - 1, s,
+                   static_cast<float>(scale), static_cast<float>(soft_cap), scratch, dest,
+                   maxes.data() + item * s.heads, sums.data() + item * s.heads);
+      if (parts == 1)
+        merge_parts(dest, maxes.data() + t * s.heads, sums.data() + t * s.heads, 1, s.heads,
+                    head_size, dest);
     }
   });
+  if (parts > 1)
+    for (int64_t t = 0; t < tokens; ++t)
+      merge_parts(partial.data() + t * parts * head_floats, maxes.data() + t * parts * s.heads,
+                  sums.data() + t * parts * s.heads, parts_of(t), s.heads, head_size,
+                  o + t * head_floats);
   return out;
 }
 
