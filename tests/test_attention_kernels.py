@@ -289,3 +289,13 @@ def test_decode_of_fewer_tokens_than_threads_splits_positions_and_matches_naive(
     expected = torch.stack([naive_attention(query[t], *dense[req_of[t]], int(pos_of[t]), 0.125,
                                             window, soft_cap) for t in range(n)])
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@NEEDS_AVX2
+def test_decode_kernel_takes_a_step_without_tokens():
+    query, kv_cache, table, req_of, pos_of, _, _ = make_case(3, [40], [1], 6, 2, 64, 32,
+                                                             pad_tokens=0)
+    cpu_kernels.kernel_set()  # loads the ops
+    out = torch.ops.neuron_serve.paged_attention(query[:0], kv_cache, table, req_of[:0],
+                                                 pos_of[:0], 0.125, 0, 0.0)
+    assert out.shape == (0, 6, 64)

@@ -461,7 +461,8 @@ at::Tensor paged_attention(const at::Tensor& query_in, const at::Tensor& kv_cach
   // merged; otherwise one part per token, attended in place. One token over 640 positions,
   // 30 layers, 2-core AMD EPYC: 3.0-3.6 ms on one thread, 1.8-2.0 in two parts.
   const int64_t threads = at::get_num_threads();
-  const int64_t parts = std::clamp<int64_t>(tokens < threads ? threads / tokens : 1, 1, kMaxParts);
+  const int64_t parts = std::clamp<int64_t>(0 < tokens && tokens < threads ? threads / tokens : 1, 1,
+                                             kMaxParts);
   const int64_t head_floats = s.heads * head_size;
   std::vector<float> partial(parts > 1 ? tokens * parts * head_floats : 0);
   std::vector<float> maxes(tokens * parts * s.heads), sums(tokens * parts * s.heads);
