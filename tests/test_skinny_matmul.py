@@ -1,7 +1,8 @@
 """The decode matmul kernel (emulated backend, skinny_matmul.cpp) against `x @ W.T + b`:
-every row-tile height of its AVX2 and its AVX-512 tiles, widths that are not a multiple of
-its 16-column blocks, eager and compiled, and the errors it gives for weights that do not
-fit."""
+every row-tile height of its AVX2 and its AVX-512 tiles (with and without prefetching),
+widths that are not a multiple of its 16-column blocks (200 outputs: two threads take 7 and
+6 blocks, each ending in a short panel), eager and compiled, and the errors it gives for
+weights that do not fit."""
 
 import os
 import subprocess
