@@ -245,16 +245,22 @@ def test_profiling_writes_a_trace_and_a_parquet_table(guarded):
     assert any(r["input_shapes"] not in ("", "[]") for r in ops)
 
 
-def wait_for_status(url: str, status: int, timeout: float = 10.0) -> httpx.Response:
+def wait_for_status(http: httpx.Client, url: str, status: int,
+                    timeout: float = 10.0) -> httpx.Response:
     deadline = time.monotonic() + timeout
-    while (resp := httpx.get(url)).status_code != status and time.monotonic() < deadline:
+    while (resp := http.get(url)).status_code != status and time.monotonic() < deadline:
         time.sleep(0.01)
     return resp
 
 
+STREAMS = 16
+
+
 def test_sigterm_drains_in_flight_streams_then_exits_zero(tiny_llama, tmp_path_factory):
-    # One sequence at a time: the eight streams take eight generations' time, so the drain
-    # outlasts the checks below on any machine.
+    # One sequence at a time: the drain lasts sixteen generations (13 s on a 2-core EPYC, 26 s
+    # with two busy loops beside it) where the checks take 0.01 s. With eight (~3 s) a loaded
+    # CI machine once reached /ready only after the drain had ended (connection refused); one
+    # HTTP client made beforehand also spares each check a new client (20-40 ms idle).
     server = serve(tiny_llama, tmp_path_factory, "draining", "--drain-timeout", "120",
                    "--max-num-seqs", "1")
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
@@ -268,23 +274,24 @@ def test_sigterm_drains_in_flight_streams_then_exits_zero(tiny_llama, tmp_path_f
         started.release()  # headers received: admitted and in flight
         return list(response)[-1].usage.completion_tokens
     try:
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            futures = [pool.submit(stream, i) for i in range(8)]
-            for _ in range(8):
+        with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool, httpx.Client() as http:
+            futures = [pool.submit(stream, i) for i in range(STREAMS)]
+            for _ in range(STREAMS):
                 assert started.acquire(timeout=120)
             server.proc.send_signal(signal.SIGTERM)
             signalled = time.monotonic()
-            ready = wait_for_status(f"{server.base_url}/ready", 503)
-            during = httpx.post(f"{server.base_url}/v1/completions",
-                                json={"model": "tiny", "prompt": "x", "max_tokens": 1})
-            assert [f.result(timeout=180) for f in futures] == [NEW_TOKENS] * 8
+            ready = wait_for_status(http, f"{server.base_url}/ready", 503)
+            during = http.post(f"{server.base_url}/v1/completions",
+                               json={"model": "tiny", "prompt": "x", "max_tokens": 1})
+            checked = time.monotonic() - signalled
+            assert [f.result(timeout=180) for f in futures] == [NEW_TOKENS] * STREAMS
         assert during.status_code == 503 and during.headers["retry-after"] == "1"
         assert during.json()["error"] == {"message": "the server is shutting down; retry on "
                                           "another replica", "type": "server_error",
                                           "param": None, "code": 503}
         assert ready.status_code == 503
         assert server.proc.wait(timeout=60) == 0
-        print(f"\ndrain: 8 streams × {NEW_TOKENS} tokens finished, exit 0 "
-              f"{time.monotonic() - signalled:.1f} s after SIGTERM")
+        print(f"\ndrain: checked {checked:.2f} s after SIGTERM; {STREAMS} streams × "
+              f"{NEW_TOKENS} tokens finished, exit 0 {time.monotonic() - signalled:.1f} s after")
     finally:
         server.stop()
