@@ -45,6 +45,22 @@ def test_matches_plain_matmul(rows, out_features, in_features, isa):
                                x @ weight.T, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("rows", [1, 8])
+def test_threads_take_equal_runs_of_blocks_ending_in_short_panels(threads, rows):
+    """Two or three threads split 13 blocks (7 + 6, 5 + 5 + 3; 1024 inputs, so no grain
+    merges them), most ranges ending in a panel shorter than 4 (1 row) or 3 (8 rows)."""
+    torch.manual_seed(threads * 10 + rows)
+    weight, bias, x = torch.randn(200, 1024), torch.randn(200), torch.randn(rows, 1024)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = skinny_matmul.skinny_matmul(x, skinny_matmul.pack_weight(weight), bias, 200)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out, x @ weight.T + bias, rtol=1e-4, atol=1e-4)
+
+
 def test_in_a_compiled_graph_and_on_strided_input():
     torch.manual_seed(0)
     weight, bias = torch.randn(50, 40), torch.randn(50)
