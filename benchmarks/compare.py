@@ -5,7 +5,10 @@
 Offline: output tokens/s for every (sequences, prompt length) pair, the systems taking
 turns job by job so that machine noise hits all of them alike; median of --repeats with
 min and max. The limit column is this machine's speed limit for the same work (read
-bandwidth and fp32 GEMM rate measured by this script; benchmarks/hardware.py). Online
+bandwidth and fp32 GEMM rate measured by this script; benchmarks/hardware.py), measured
+again just before every turn: on a shared machine the neighbours' load moves the read
+bandwidth by half within an hour, so each sample is set against the limit of its own
+moment and the share of the limit is the median of those ratios. Online
 (--online): our server vs `vllm serve` on the CPU backend under a request-rate sweep
 (benchmarks/online.py). Kernels (--kernels): our ragged paged attention vs vLLM's CPU
 attention op (benchmarks/attention_bench.py).
@@ -33,6 +36,9 @@ sys.path.insert(0, str(HERE))
 import hardware  # noqa: E402
 from shapes import SHAPES, checkpoint  # noqa: E402
 from systems import OTHER_SYSTEM_IDLE_S, SYSTEMS  # noqa: E402
+
+# The reading before each turn: best of 20 reads of 512 MB and of 5 GEMMs (~1 s).
+TURN_READ_REPEATS, TURN_GEMM_REPEATS = 20, 5
 
 LABELS = {"neuron": "neuron-serve (emulated, compiled)", "vllm-cpu": "vLLM CPU backend",
           "transformers": "Transformers generate (static cache, compiled)"}
@@ -81,7 +87,7 @@ class SystemProcess:
             self._log.close()
 
 
-def run_offline(args, model: Path, machine: hardware.Machine, shape: hardware.ModelShape) -> list[dict]:
+def run_offline(args, model: Path, shape: hardware.ModelShape) -> list[dict]:
     engine_flags = ["--max-num-seqs", str(max(args.batches)),
                     "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                     "--max-model-len", str(args.max_model_len), "--kv-cache-gb", str(args.kv_cache_gb)]
@@ -99,33 +105,45 @@ def run_offline(args, model: Path, machine: hardware.Machine, shape: hardware.Mo
             for proc in procs:
                 proc.run(job)
         samples = {(p.system, j["batch"], j["prompt"]): [] for p in procs for j in jobs}
+        readings = {key: [] for key in samples}  # the machine just before each sample
         for rep in range(args.repeats):
             for job in jobs:
                 for proc in procs:  # the systems take turns, job by job
                     time.sleep(OTHER_SYSTEM_IDLE_S)
+                    key = (proc.system, job["batch"], job["prompt"])
+                    readings[key].append(hardware.measure(TURN_READ_REPEATS, TURN_GEMM_REPEATS))
                     r = proc.run(job)
-                    samples[(proc.system, job["batch"], job["prompt"])].append(r["output_tokens"] / r["seconds"])
+                    samples[key].append(r["output_tokens"] / r["seconds"])
                     print(f"  rep {rep + 1} {proc.system:12s} seqs {job['batch']:3d} prompt "
-                          f"{job['prompt']:4d}: {samples[(proc.system, job['batch'], job['prompt'])][-1]:8.1f} tok/s",
-                          flush=True)
+                          f"{job['prompt']:4d}: {samples[key][-1]:8.1f} tok/s (read "
+                          f"{readings[key][-1].read_gb_per_s:.1f} GB/s)", flush=True)
     except BaseException:
         for proc in procs:
             proc.close(kill=True)
         raise
     for proc in procs:
         proc.close()
-    return [offline_row(system, batch, prompt, args.output, tps, shape, machine)
+    return [offline_row(system, batch, prompt, args.output, tps, shape,
+                        [r.as_dict() for r in readings[(system, batch, prompt)]])
             for (system, batch, prompt), tps in samples.items()]
 
 
 def offline_row(system: str, batch: int, prompt: int, output: int, tps: list[float],
-                shape: hardware.ModelShape, machine: hardware.Machine) -> dict:
-    limit_s = hardware.generation_limit_seconds(shape, machine, batch, prompt, output)
+                shape: hardware.ModelShape, readings: list[dict] | None,
+                machine: dict | None = None) -> dict:
+    """One system at one job: tok/s samples, each against the limit of the machine reading
+    taken just before it (`readings`, Machine dicts, one per sample); runs from before
+    those readings set every sample against the `machine` measured at their start."""
+    machines = readings or [machine] * len(tps)
+    limits = [batch * output / hardware.generation_limit_seconds(
+        shape, hardware.Machine(**m), batch, prompt, output) for m in machines]
     median = statistics.median(tps)
     return dict(system=system, batch=batch, prompt=prompt, output=output, tok_s_median=median,
                 tok_s_min=min(tps), tok_s_max=max(tps), samples=tps,
-                limit_tok_s=batch * output / limit_s,
-                share_of_limit=median * limit_s / (batch * output))
+                **({"readings": readings} if readings else {}),
+                limit_tok_s=statistics.median(limits), limit_tok_s_min=min(limits),
+                limit_tok_s_max=max(limits),
+                share_of_limit=statistics.median(t / lim for t, lim in zip(tps, limits)))
 
 
 def rerender(path: Path, remeasure: bool = False) -> None:
@@ -136,9 +154,11 @@ def rerender(path: Path, remeasure: bool = False) -> None:
     if remeasure:
         report["machine"] = hardware.measure().as_dict()
         report["remeasured"] = time.strftime("%Y-%m-%d %H:%M")
-    shape, machine = hardware.ModelShape(**report["shape"]), hardware.Machine(**report["machine"])
+    shape = hardware.ModelShape(**report["shape"])
+    # Remeasured: one machine for every sample, in place of the readings per turn.
     report["offline"] = [offline_row(r["system"], r["batch"], r["prompt"], r["output"], r["samples"],
-                                     shape, machine) for r in report["offline"]]
+                                     shape, None if remeasure else r.get("readings"), report["machine"])
+                         for r in report["offline"]]
     report["ratios"] = ratio_table(report["offline"])
     path.write_text(json.dumps(report, indent=1))
     path.with_suffix(".md").write_text(markdown(report))
@@ -172,8 +192,10 @@ def markdown(report: dict) -> str:
                if "remeasured" in report else []),
              f"Machine: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}, ISA "
              f"{m['isa']} ({' '.join(m['flags'])}); measured read bandwidth "
-             f"{m['read_gb_per_s']:.1f} GB/s, fp32 GEMM {m['fp32_gemm_gflop_per_s']:.0f} GFLOP/s", "",
+             f"{m['read_gb_per_s']:.1f} GB/s, fp32 GEMM {m['fp32_gemm_gflop_per_s']:.0f} GFLOP/s "
+             "at the start", *_turn_readings(report["offline"]), "",
              f"## Offline throughput (output tok/s, median of {report['repeats']}, [min–max])", "",
+             *_limit_note(report["offline"]),
              "| seqs | prompt | " + " | ".join(LABELS[s] for s in report["systems"]) +
              " | limit | ours ÷ limit | ours ÷ vLLM CPU | ours ÷ Transformers |",
              "|---|---|" + "---|" * (len(report["systems"]) + 4)]
@@ -185,16 +207,39 @@ def markdown(report: dict) -> str:
         for s in report["systems"]:
             r = rows.get((s, batch, prompt))
             cells.append(f"{r['tok_s_median']:.1f} [{r['tok_s_min']:.1f}–{r['tok_s_max']:.1f}]" if r else "–")
-        limit = next(r for (s, b, p), r in rows.items() if b == batch and p == prompt)["limit_tok_s"]
         ours = rows.get(("neuron", batch, prompt))
+        first = ours or next(r for (s, b, p), r in rows.items() if b == batch and p == prompt)
+        limit = f"{first['limit_tok_s']:.0f}"
+        if first.get("limit_tok_s_min") and first["limit_tok_s_min"] != first["limit_tok_s_max"]:
+            limit += f" [{first['limit_tok_s_min']:.0f}–{first['limit_tok_s_max']:.0f}]"
         ratio = ratios.get((batch, prompt), {})
         share = f"{ours['share_of_limit'] * 100:.0f} %" if ours else "–"
-        lines.append(f"| {batch} | {prompt} | " + " | ".join(cells) + f" | {limit:.0f} | {share} | "
+        lines.append(f"| {batch} | {prompt} | " + " | ".join(cells) + f" | {limit} | {share} | "
                      f"{_times(ratio.get('vs_vllm_cpu'))} | {_times(ratio.get('vs_transformers'))} |")
     for extra in ("online_markdown", "kernels_markdown"):
         if report.get(extra):
             lines += ["", report[extra]]
     return "\n".join(lines) + "\n"
+
+
+def _limit_note(rows: list[dict]) -> list[str]:
+    if not any("readings" in r for r in rows):
+        return ["Limit: from the machine measured at the start.", ""]
+    return ["Limit: this machine's tok/s for the same work at the reading taken before each of "
+            "our turns, median [min–max]; ours ÷ limit is the median of each sample's ratio to "
+            "its own turn's limit.", ""]
+
+
+def _turn_readings(rows: list[dict]) -> list[str]:
+    """The range of the machine readings taken before the turns (none in older runs)."""
+    readings = [m for r in rows for m in r.get("readings", [])]
+    if not readings:
+        return []
+    read = [m["read_gb_per_s"] for m in readings]
+    gemm = [m["fp32_gemm_gflop_per_s"] for m in readings]
+    return ["", f"Before each of the {len(readings)} turns: read bandwidth median "
+            f"{statistics.median(read):.1f} [{min(read):.1f}–{max(read):.1f}] GB/s, fp32 GEMM "
+            f"{statistics.median(gemm):.0f} [{min(gemm):.0f}–{max(gemm):.0f}] GFLOP/s  "]
 
 
 def chart(report: dict, path: Path) -> None:
@@ -216,7 +261,8 @@ def chart(report: dict, path: Path) -> None:
                 lo.append(r["tok_s_median"] - r["tok_s_min"])
                 hi.append(r["tok_s_max"] - r["tok_s_median"])
         ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=LABELS[system])
-    limits = [next(r for (s, b, p), r in rows.items() if (b, p) == key)["limit_tok_s"] for key in keys]
+    limits = [(rows.get(("neuron", *key)) or next(r for (s, b, p), r in rows.items() if (b, p) == key))
+              ["limit_tok_s"] for key in keys]
     ax.bar([k + len(report["systems"]) * width for k in range(len(keys))], limits, width,
            color="lightgrey", hatch="//", label="machine limit")
     ax.set_xticks([k + width * len(report["systems"]) / 2 for k in range(len(keys))])
@@ -284,7 +330,7 @@ def main() -> None:
                       date=time.strftime("%Y-%m-%d %H:%M"), machine=machine.as_dict(), shape=shape.__dict__,
                       systems=args.systems, repeats=args.repeats, output=args.output)
     if "offline" not in report:
-        report["offline"] = run_offline(args, model, machine, shape)
+        report["offline"] = run_offline(args, model, shape)
         report["ratios"] = ratio_table(report["offline"])
         save(report, path)
     if args.online and "online" not in report:

@@ -63,18 +63,20 @@ def _best_seconds(fn, repeats: int = 15) -> float:
     return min(times)
 
 
-def measure() -> Machine:
+def measure(read_repeats: int = 60, gemm_repeats: int = 15) -> Machine:
+    """The machine's facts and its best read bandwidth and fp32 GEMM rate right now. Fewer
+    repeats (~1 s instead of ~3) for the readings compare.py takes before every turn."""
     buf = torch.ones(128 << 20)  # 512 MB of fp32: far beyond any cache
-    read_s = _best_seconds(lambda: buf.sum(), repeats=60)
+    read_s = _best_seconds(lambda: buf.sum(), repeats=read_repeats)
     n = 2048
     a, b = torch.randn(n, n), torch.randn(n, n)
     # The fastest fp32 GEMM this install has: aten's BLAS, or oneDNN on a prepacked weight
     # (vLLM's CPU extension; 2x aten on AMD EPYC), so the limit is no easier to reach.
-    gemm_s = _best_seconds(lambda: torch.mm(a, b))
+    gemm_s = _best_seconds(lambda: torch.mm(a, b), repeats=gemm_repeats)
     try:
         import vllm._custom_ops as ops
         packed = ops.create_onednn_mm(b, 32)
-        gemm_s = min(gemm_s, _best_seconds(lambda: ops.onednn_mm(packed, a, None)))
+        gemm_s = min(gemm_s, _best_seconds(lambda: ops.onednn_mm(packed, a, None), repeats=gemm_repeats))
     except (ImportError, AttributeError, RuntimeError):
         pass
     name, flags = _cpu_facts()

@@ -26,6 +26,9 @@ def test_compare_writes_json_markdown_and_chart(tiny_llama, tmp_path):
     assert {(r["system"], r["batch"]) for r in report["offline"]} == {
         (s, b) for s in ("neuron", "vllm-cpu", "transformers") for b in (1, 4)}
     assert all(r["tok_s_median"] > 0 and 0 < r["share_of_limit"] for r in report["offline"])
+    # Every sample is set against the machine read just before its turn.
+    assert all(len(r["readings"]) == len(r["samples"]) and
+               all(m["read_gb_per_s"] > 0 for m in r["readings"]) for r in report["offline"])
     assert all(r["vs_vllm_cpu"] > 0 and r["vs_transformers"] > 0 for r in report["ratios"])
     assert {r["system"] for r in report["online"]} == {"neuron", "vllm-cpu"}
     sys.path.insert(0, str(REPO / "benchmarks"))
