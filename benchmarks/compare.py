@@ -37,8 +37,15 @@ import hardware  # noqa: E402
 from shapes import SHAPES, checkpoint  # noqa: E402
 from systems import OTHER_SYSTEM_IDLE_S, SYSTEMS  # noqa: E402
 
-# The reading before each turn: best of 20 reads of 512 MB and of 5 GEMMs (~1 s).
+# The reading before each turn: best of 20 reads of 512 MB and of 5 GEMMs (~1.5 s).
 TURN_READ_REPEATS, TURN_GEMM_REPEATS = 20, 5
+READING_KEYS = ("read_gb_per_s", "fp32_gemm_gflop_per_s")  # what a turn's reading keeps
+
+
+def read_machine() -> dict:
+    """The two rates the limit depends on, measured now."""
+    machine = hardware.measure(TURN_READ_REPEATS, TURN_GEMM_REPEATS).as_dict()
+    return {k: machine[k] for k in READING_KEYS}
 
 LABELS = {"neuron": "neuron-serve (emulated, compiled)", "vllm-cpu": "vLLM CPU backend",
           "transformers": "Transformers generate (static cache, compiled)"}
@@ -87,7 +94,7 @@ class SystemProcess:
             self._log.close()
 
 
-def run_offline(args, model: Path, shape: hardware.ModelShape) -> list[dict]:
+def run_offline(args, model: Path, machine: dict, shape: hardware.ModelShape) -> list[dict]:
     engine_flags = ["--max-num-seqs", str(max(args.batches)),
                     "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                     "--max-model-len", str(args.max_model_len), "--kv-cache-gb", str(args.kv_cache_gb)]
@@ -111,12 +118,12 @@ def run_offline(args, model: Path, shape: hardware.ModelShape) -> list[dict]:
                 for proc in procs:  # the systems take turns, job by job
                     time.sleep(OTHER_SYSTEM_IDLE_S)
                     key = (proc.system, job["batch"], job["prompt"])
-                    readings[key].append(hardware.measure(TURN_READ_REPEATS, TURN_GEMM_REPEATS))
+                    readings[key].append(read_machine())
                     r = proc.run(job)
                     samples[key].append(r["output_tokens"] / r["seconds"])
                     print(f"  rep {rep + 1} {proc.system:12s} seqs {job['batch']:3d} prompt "
                           f"{job['prompt']:4d}: {samples[key][-1]:8.1f} tok/s (read "
-                          f"{readings[key][-1].read_gb_per_s:.1f} GB/s)", flush=True)
+                          f"{readings[key][-1]['read_gb_per_s']:.1f} GB/s)", flush=True)
     except BaseException:
         for proc in procs:
             proc.close(kill=True)
@@ -124,17 +131,16 @@ def run_offline(args, model: Path, shape: hardware.ModelShape) -> list[dict]:
     for proc in procs:
         proc.close()
     return [offline_row(system, batch, prompt, args.output, tps, shape,
-                        [r.as_dict() for r in readings[(system, batch, prompt)]])
+                        readings[(system, batch, prompt)], machine)
             for (system, batch, prompt), tps in samples.items()]
 
 
 def offline_row(system: str, batch: int, prompt: int, output: int, tps: list[float],
-                shape: hardware.ModelShape, readings: list[dict] | None,
-                machine: dict | None = None) -> dict:
-    """One system at one job: tok/s samples, each against the limit of the machine reading
-    taken just before it (`readings`, Machine dicts, one per sample); runs from before
-    those readings set every sample against the `machine` measured at their start."""
-    machines = readings or [machine] * len(tps)
+                shape: hardware.ModelShape, readings: list[dict] | None, machine: dict) -> dict:
+    """One system at one job: tok/s samples, each against the limit of the `machine` at the
+    rates read just before it (`readings`, one per sample); runs from before those readings
+    set every sample against the rates measured at their start."""
+    machines = [{**machine, **r} for r in readings] if readings else [machine] * len(tps)
     limits = [batch * output / hardware.generation_limit_seconds(
         shape, hardware.Machine(**m), batch, prompt, output) for m in machines]
     median = statistics.median(tps)
@@ -330,7 +336,7 @@ def main() -> None:
                       date=time.strftime("%Y-%m-%d %H:%M"), machine=machine.as_dict(), shape=shape.__dict__,
                       systems=args.systems, repeats=args.repeats, output=args.output)
     if "offline" not in report:
-        report["offline"] = run_offline(args, model, shape)
+        report["offline"] = run_offline(args, model, report["machine"], shape)
         report["ratios"] = ratio_table(report["offline"])
         save(report, path)
     if args.online and "online" not in report:

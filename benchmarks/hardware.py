@@ -65,7 +65,7 @@ def _best_seconds(fn, repeats: int = 15) -> float:
 
 def measure(read_repeats: int = 60, gemm_repeats: int = 15) -> Machine:
     """The machine's facts and its best read bandwidth and fp32 GEMM rate right now. Fewer
-    repeats (~1 s instead of ~3) for the readings compare.py takes before every turn."""
+    repeats (~1.5 s instead of ~3.8) for the readings compare.py takes before every turn."""
     buf = torch.ones(128 << 20)  # 512 MB of fp32: far beyond any cache
     read_s = _best_seconds(lambda: buf.sum(), repeats=read_repeats)
     n = 2048

