@@ -10,7 +10,7 @@ ARGS   ?=
 # 2-core CPU); COMPILE=ahead waits for every graph first, as `neuron-serve serve` does.
 COMPILE ?= background
 
-.PHONY: venv tools serve test clean
+.PHONY: venv tools serve lint test test-fast clean
 
 $(READY): pyproject.toml tools/setup_env.py
 	$(PYTHON) tools/setup_env.py $(VENV)
@@ -25,8 +25,16 @@ tools:
 serve: $(READY)
 	$(VENV)/bin/neuron-serve serve $(MODEL) --host $(HOST) --port $(PORT) --compile-mode $(COMPILE) $(ARGS)
 
-test: $(READY) tools
+lint: $(READY)
+	$(VENV)/bin/ruff check .
+
+# Every tier (tests/unit, tests/engine, tests/e2e) after the linter: CI's command.
+test: $(READY) tools lint
 	$(VENV)/bin/python -m pytest $(ARGS)
+
+# The unit tier alone: no subprocess, no compile, under 2 minutes.
+test-fast: $(READY) lint
+	$(VENV)/bin/python -m pytest tests/unit $(ARGS)
 
 clean:
 	rm -rf $(VENV) .tools

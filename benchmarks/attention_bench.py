@@ -49,8 +49,8 @@ def _query_tiles(q_len: int, reqs: int, num_blocks: int):
     import numpy as np
 
     from neuron_serve.attention.kernels import QueryTiles
+    from neuron_serve.buckets import QUERY_TILE, Bucket
     from neuron_serve.model_runner import query_tiles
-    from neuron_serve.model_runner.buckets import QUERY_TILE, Bucket
 
     if q_len == 1:
         return None
@@ -81,7 +81,7 @@ def _ours(shape, case, kernel_set: str):
 def _op_alone(shape, case):
     """The "cpu" kernel set's C++ op called directly (decode: paged_attention; prefill:
     paged_attention_tiles, the tiles alone)."""
-    from neuron_serve.attention import cpu_kernels
+    from neuron_serve.device.emulated import attention as cpu_kernels
 
     cpu_kernels.kernel_set()  # loads the ops
     query, kv, block_table, token_req, token_pos = case

@@ -173,14 +173,14 @@ def rerender(path: Path, remeasure: bool = False) -> None:
 
 def ratio_table(rows: list[dict]) -> list[dict]:
     by = {(r["system"], r["batch"], r["prompt"]): r["tok_s_median"] for r in rows}
-    out = []
-    for (system, batch, prompt), value in by.items():
-        if system != "neuron":
-            continue
-        out.append(dict(batch=batch, prompt=prompt,
-                        vs_vllm_cpu=value / by[("vllm-cpu", batch, prompt)] if ("vllm-cpu", batch, prompt) in by else None,
-                        vs_transformers=value / by[("transformers", batch, prompt)] if ("transformers", batch, prompt) in by else None))
-    return out
+
+    def ratio(ours: float, other: str, batch: int, prompt: int) -> float | None:
+        theirs = by.get((other, batch, prompt))
+        return ours / theirs if theirs else None
+
+    return [dict(batch=batch, prompt=prompt, vs_vllm_cpu=ratio(value, "vllm-cpu", batch, prompt),
+                 vs_transformers=ratio(value, "transformers", batch, prompt))
+            for (system, batch, prompt), value in by.items() if system == "neuron"]
 
 
 def _times(value: float | None) -> str:
@@ -332,7 +332,8 @@ def main() -> None:
     else:
         machine = hardware.measure()
         print(f"machine: {machine}", flush=True)
-        report = dict(name=args.name, model=args.model, command=" ".join(["benchmarks/compare.py", *sys.argv[1:]]),
+        command = " ".join(["benchmarks/compare.py", *sys.argv[1:]])
+        report = dict(name=args.name, model=args.model, command=command,
                       date=time.strftime("%Y-%m-%d %H:%M"), machine=machine.as_dict(), shape=shape.__dict__,
                       systems=args.systems, repeats=args.repeats, output=args.output)
     if "offline" not in report:

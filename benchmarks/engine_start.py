@@ -83,8 +83,9 @@ def spread(values: list[float]) -> str:
 
 
 def main() -> None:
-    from neuron_serve.models import DEMO_MODEL_DIR
     from shapes import SHAPES, checkpoint
+
+    from neuron_serve.models import DEMO_MODEL_DIR
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="demo")

@@ -97,7 +97,7 @@ class ModelShape:
     vocab: int
 
     @classmethod
-    def of(cls, config) -> "ModelShape":
+    def of(cls, config) -> ModelShape:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return cls(config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
                    config.num_key_value_heads, head_dim, config.intermediate_size, config.vocab_size)

@@ -1,7 +1,8 @@
 """Linear-layer microbenchmark: aten's CPU GEMM, a oneDNN matmul on a prepacked weight and
-our skinny decode kernel (the emulated backend runs the last two: packed_linear.py,
-skinny_matmul.py), for every weight shape of a model, all its layers, at decode and prefill
-row counts, with a plain sum of as many bytes as the weights for the memory's pace.
+our skinny decode kernel (the emulated backend runs the last two: neuron_serve/device/
+emulated/linear.py and skinny_matmul.py), for every weight shape of a model, all its layers,
+at decode and prefill row counts, with a plain sum of as many bytes as the weights for the
+memory's pace.
 
     .venv/bin/python benchmarks/linear_bench.py [--model smollm2-135m] [--out DIR]
 """
@@ -46,7 +47,7 @@ def weight_shapes(config) -> dict[str, tuple[int, int, int]]:
 def run(config) -> list[dict]:
     import vllm._custom_ops as ops
 
-    from neuron_serve.model_runner import skinny_matmul
+    from neuron_serve.device.emulated import skinny_matmul
 
     skinny_matmul.load()
     rows_out = []
@@ -85,7 +86,8 @@ def run(config) -> list[dict]:
 
 def markdown(model: str, rows: list[dict]) -> str:
     import hardware
-    from neuron_serve.model_runner import skinny_matmul
+
+    from neuron_serve.device.emulated import skinny_matmul
 
     lines = [f"# Linear layers of {model}: aten GEMM, prepacked oneDNN, skinny kernel", "",
              f"Command: `{' '.join(['benchmarks/linear_bench.py', *sys.argv[1:]])}`  ",

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-
 from systems import OTHER_SYSTEM_IDLE_S
 
 VENV_BIN = Path(sys.executable).parent
@@ -172,7 +171,8 @@ def sweep(args, model: Path) -> list[dict]:
 def markdown(rows: list[dict]) -> str:
     lines = [f"## Online ({rows[0]['requests']} Poisson requests per rate and repetition, "
              f"prompt {rows[0]['prompt']}, output {rows[0]['output']}; ms)", "",
-             "| server | req/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | ITL p50 | ITL p99 | output tok/s |",
+             "| server | req/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | ITL p50 | ITL p99 "
+             "| output tok/s |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["rate"], r["system"])):
         lines.append(f"| {r['system']} | {r['rate']} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | "

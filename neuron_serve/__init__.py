@@ -2,14 +2,12 @@
 
 __version__ = "0.1.0"
 
-PLATFORM = "neuron_serve.platform.NeuronPlatform"
-
 
 def register() -> str | None:
     """vLLM `vllm.platform_plugins` entry point: our platform if asked for, else None."""
-    from neuron_serve import activation
+    from neuron_serve import plugin
 
-    if not activation.requested():
+    if not plugin.requested():
         return None
-    activation.activate()
-    return PLATFORM
+    plugin.activate()
+    return plugin.PLATFORM

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from neuron_serve.model_runner import buckets as bk
+from neuron_serve import buckets as bk
 
 ADDITIONAL_CONFIG_KEY = "neuron"
 _KNOWN_KEYS = {"token_buckets", "request_buckets", "block_buckets", "max_attention_scratch_gb",
@@ -46,8 +46,11 @@ class NeuronConfig:
     grid: tuple[bk.Bucket, ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        set_ = lambda name, value: object.__setattr__(self, name, tuple(value))  # noqa: E731
-        set_("token_buckets", self.token_buckets or bk.default_token_buckets(self.max_num_batched_tokens, self.max_num_seqs))
+        def set_(name: str, value) -> None:  # the dataclass is frozen
+            object.__setattr__(self, name, tuple(value))
+
+        set_("token_buckets", self.token_buckets
+             or bk.default_token_buckets(self.max_num_batched_tokens, self.max_num_seqs))
         set_("request_buckets", self.request_buckets or bk.default_request_buckets(self.max_num_seqs))
         set_("block_buckets", self.block_buckets or bk.default_block_buckets(self.max_blocks_per_seq))
         self._validate()

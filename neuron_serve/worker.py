@@ -16,7 +16,6 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from neuron_serve import device
 from neuron_serve.logs import init_logger
-from neuron_serve.model_runner import packed_linear
 from neuron_serve.model_runner.runner import NeuronModelRunner
 from neuron_serve.profiler import StepProfiler
 
@@ -59,7 +58,7 @@ class NeuronWorker(WorkerBase):
         dev = device.current()
         model = self.model_runner.model
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        weights += packed_linear.packed_weight_bytes(model)  # prepacked copies, if any
+        weights += dev.extra_weight_bytes(model)  # e.g. prepacked copies
         scratch = self.model_runner.config.attention_scratch_bytes(self._kv_heads_and_head_size())
         budget = dev.total_memory_bytes() * self.cache_config.gpu_memory_utilization
         available = int(budget - weights - scratch)
@@ -109,14 +108,12 @@ class NeuronWorker(WorkerBase):
         return self.model_runner.compiles_after_warmup
 
     def graph_stats(self) -> dict:
-        """Compiled-graph counters (RPC for metrics and tests)."""
+        """Compiled-graph counters (RPC for metrics and tests): `GraphStats.as_dict()`."""
         runner = self.model_runner
-        stats = dataclasses.asdict(runner.graphs.stats)
-        stats["bucket_steps"] = dict(runner.graphs.stats.bucket_steps)  # asdict mangles Counters
-        stats.update(num_graphs=len(runner.graphs.graphs), num_buckets=len(runner.config.grid),
-                     compile_mode=runner.config.compile_mode,
-                     compiles_after_warmup=runner.compiles_after_warmup)
-        return stats
+        return dataclasses.replace(
+            runner.graphs.stats, num_graphs=len(runner.graphs.graphs),
+            num_buckets=len(runner.config.grid), compile_mode=runner.config.compile_mode,
+            compiles_after_warmup=runner.compiles_after_warmup).as_dict()
 
     def start_step_profile(self, directory: str) -> None:
         """RPC from POST /admin/profile/start."""

@@ -17,12 +17,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+from neuron_serve.models.tiny import FAMILIES, write_checkpoint
+
 # Every vLLM engine this test session starts, in-process or in a child, runs on our platform.
 os.environ["NEURON_SERVE_DEVICE"] = "neuron"
-
-from neuron_serve.models.tiny import FAMILIES, write_checkpoint  # noqa: E402
-
 REPO = Path(__file__).resolve().parent.parent
+# Scripts under tools/ (the demo's training data pipeline) are imported by tests as modules.
+sys.path.insert(0, str(REPO / "tools"))
+
 VENV_BIN = Path(sys.executable).parent
 # A first start in `ahead` mode compiles every graph before it is healthy: the tiny model's 7
 # take ~2.5 min on a 2-core AVX2 EPYC, the demo's 17 about 335 s. Below pytest's 900 s.

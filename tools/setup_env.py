@@ -23,7 +23,6 @@ Usage: python3.11 tools/setup_env.py [VENV_DIR] [--runtime-only]   (the venv)
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import time
@@ -143,7 +142,7 @@ def setup_venv(venv: Path, with_tests: bool) -> None:
     run(venv_py, "-c", "import transformers, vllm, neuron_serve")
     # The emulated backend's C++ kernels are built on first use; build them now (~20 s)
     # so the first server start or test does not.
-    run(venv_py, "-c", "from neuron_serve.model_runner import cpu_extension as c; "
+    run(venv_py, "-c", "from neuron_serve.device.emulated import extension as c; "
         "c.cpu_supported() and c.load()")
     print(f"environment ready in {time.monotonic() - start:.0f} s: {venv}", flush=True)
 

@@ -2,7 +2,7 @@
 
 The model runner owns the per-bucket metadata (padded, persistent tensors updated in
 place, so each compiled graph is traced once); this backend only reads it. The kernels
-come from `kernels.get(device.attention_kernel)`.
+are the reference set until the runner binds its device's set (layer.adopt).
 """
 
 from __future__ import annotations
@@ -11,11 +11,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl,
-                                       AttentionMetadataBuilder, AttentionType)
+from vllm.v1.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, AttentionType
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
-from neuron_serve import device
 from neuron_serve.attention import BACKEND_NAME, kernels
 
 
@@ -88,7 +86,7 @@ class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap or None
         self.kv_cache_dtype = kv_cache_dtype
-        self.kernels = kernels.get(device.current().attention_kernel)
+        self.kernels = kernels.get("reference")
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: NeuronAttentionMetadata | None,

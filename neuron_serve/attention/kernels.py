@@ -41,7 +41,8 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
     An index_put on the cache itself, not index_copy_ on a flattened view: inductor turns
     a mutation through a view of a graph input into a copy of the whole cache on every
-    step (measured: 779 ms vs 3.4 ms per decode step with a 3 GB cache).
+    step, so the step time would grow with the cache size (measured: benchmarks/README.md,
+    "Design measurements").
     """
     block_size = kv_cache.shape[1]
     kv_cache[slot_mapping // block_size, slot_mapping % block_size] = (
@@ -118,12 +119,12 @@ def _fused_attention(q, key, value, visible, scale, soft_cap):
     """For torch.compile: scores and output as broadcast products summed over a dimension,
     so that inductor fuses the block-table gather into both reductions and reads the cache
     in place. A matmul first copies every token's whole context (once per query token of a
-    prefill chunk): 10-20x slower for a 256-token prefill, 2-5x for decodes. Scores are laid
-    out [T, H_kv, G, B, block_size], context last, so the softmax reads contiguous rows, and
-    blocks stay a dimension of their own, so the gather indexes the block table once per
-    block rather than dividing every position by the block size (benchmarks/attention_bench.py:
-    32 decodes over 640 positions 2.6 -> 1.5 ms, a 256-token prefill 2.4 -> 1.9 ms). Eagerly,
-    the products would be materialised whole."""
+    prefill chunk), which is several times slower for decodes and more so for prefill
+    chunks. Scores are laid out [T, H_kv, G, B, block_size], context last, so the softmax
+    reads contiguous rows, and blocks stay a dimension of their own, so the gather indexes
+    the block table once per block rather than dividing every position by the block size
+    (measured: benchmarks/README.md, "Design measurements"). Eagerly, the products would be
+    materialised whole."""
     key = key.permute(0, 3, 1, 2, 4)[:, :, None]  # [T, H_kv, 1, B, block_size, D]
     value = value.permute(0, 3, 1, 2, 4)[:, :, None]
     scores = (q[:, :, :, None, None, :] * key).sum(-1) * scale  # [T, H_kv, G, B, block_size]
@@ -172,19 +173,14 @@ def _matmul_attention(q, key, value, visible, scale, soft_cap):
     return torch.einsum("tkgc,tckd->tkgd", torch.softmax(scores, dim=-1), value)
 
 
-def _cpu_kernels() -> KernelSet:
-    from neuron_serve.attention import cpu_kernels
-    return cpu_kernels.kernel_set()
-
-
 _REGISTRY: dict[str, Callable[[], KernelSet]] = {
     "reference": lambda: KernelSet(write_kv, ragged_paged_attention),
-    "cpu": _cpu_kernels,
 }
 
 
 def register(name: str, factory: Callable[[], KernelSet]) -> None:
-    """Add a kernel set (e.g. NKI kernels on Trainium); the factory imports lazily."""
+    """Add a device's kernel set (the emulated device's "cpu" set, NKI kernels on
+    Trainium); the factory runs when a layer first asks for the set."""
     _REGISTRY[name] = factory
 
 

@@ -3,7 +3,8 @@
 vLLM's `Attention.forward` looks both up by the layer's name, a string that tracing bakes
 into the graph, so no two layers trace alike. This forward reads `self.kv_cache` and the
 step's single metadata object instead: every layer of a stack traces to the same program,
-which is what lets a layer be compiled once for all (model_runner/compile_regions.py).
+which is what lets a layer be compiled once for all (model_runner/compile_regions.py), and
+one metadata object serves every layer of a step.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import torch
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention.attention import Attention
+
+from neuron_serve.attention.kernels import KernelSet
 
 
 class NeuronAttentionLayer(Attention):
@@ -28,9 +31,11 @@ class NeuronAttentionLayer(Attention):
         return output.view(-1, output_shape[-1])
 
 
-def adopt(model: torch.nn.Module) -> int:
-    """Give every vLLM `Attention` layer of `model` this forward; returns how many."""
+def adopt(model: torch.nn.Module, kernel_set: KernelSet) -> int:
+    """Give every vLLM `Attention` layer of `model` this forward and `kernel_set`; returns
+    how many. Changes these layers only: no class or function shared with other code."""
     layers = [m for m in model.modules() if type(m) is Attention]
     for layer in layers:
         layer.__class__ = NeuronAttentionLayer
+        layer.impl.kernels = kernel_set
     return len(layers)

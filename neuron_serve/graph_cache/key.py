@@ -17,14 +17,14 @@ import importlib.metadata
 import platform
 from pathlib import Path
 
+from neuron_serve.buckets import Bucket
 from neuron_serve.graph_cache.store import GraphKey
-from neuron_serve.model_runner.buckets import Bucket
 
 _NOT_SHAPING = {"_name_or_path", "name_or_path", "_commit_hash", "transformers_version",
                 "torch_dtype", "dtype"}
 # Sources whose code ends up inside the compiled step, or configures how vLLM's model code
 # traces (the platform) and what the compiler is given (the device).
-_STEP_SOURCES = ("attention", "model_runner", "platform.py", "device.py")
+_STEP_SOURCES = ("attention", "model_runner", "device", "platform.py", "buckets.py")
 
 
 @functools.cache

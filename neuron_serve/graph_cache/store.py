@@ -51,7 +51,7 @@ class GraphKey:
 
 
 def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

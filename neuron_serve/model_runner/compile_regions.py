@@ -1,12 +1,11 @@
 """Compile a stack of identical decoder layers once per graph, not once per layer.
 
 A bucket's graph is the whole step, and inductor used to trace, lower, generate and build
-every layer again: compile time grew with depth. On a 2-core AVX2 host the 9 graphs of
-SmolLM2's (30 layers) max_num_seqs=1 grid took 70-201 s each before, 17-34 s each after
-(243 s in all, from the engine's `compiled in` log lines). A layer class whose forward is
-a nested compile region is traced once and emitted once, as a function every layer calls
-with its own weights and KV cache. A layer that traces differently (the first, which starts
-the residual stream; one with another sliding window) gets a region of its own.
+every layer again: compile time grew with depth. A layer class whose forward is a nested
+compile region is traced once and emitted once, as a function every layer calls with its
+own weights and KV cache, so a deep model's graph compiles several times faster (measured:
+benchmarks/README.md, "Design measurements"). A layer that traces differently (the first,
+which starts the residual stream; one with another sliding window) gets a region of its own.
 """
 
 from __future__ import annotations
@@ -19,13 +18,11 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from neuron_serve.attention import layer as attention_layer
-
 
 def compile_layers_once(model: nn.Module) -> int:
     """Mark each outermost stack of same-class layers in `model` as one compile region;
-    returns the number of layers marked."""
-    attention_layer.adopt(model)  # no layer name in the traced program
+    returns the number of layers marked. The attention layers must be adopted first
+    (attention/layer.py): no layer name may be in the traced program."""
     marked, inside = 0, []
     for name, stack in model.named_modules():
         if any(name.startswith(prefix) for prefix in inside):

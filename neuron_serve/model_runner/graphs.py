@@ -10,21 +10,21 @@ compiled-graph cache (neuron_serve.graph_cache).
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import io
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 import torch
 from vllm.forward_context import create_forward_context, override_forward_context
 
+from neuron_serve.buckets import Bucket
+from neuron_serve.device import Device
 from neuron_serve.graph_cache.store import GraphCache, GraphKey
 from neuron_serve.logs import init_logger
 from neuron_serve.model_runner import compile_regions
-from neuron_serve.model_runner.buckets import Bucket
 from neuron_serve.model_runner.inputs import BucketBuffers
+from neuron_serve.stats import GraphStats
 
 logger = init_logger(__name__)
 
@@ -37,28 +37,14 @@ def step(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tenso
     return model.compute_logits(hidden[logits_indices])
 
 
-@dataclass
-class GraphStats:
-    cache_hits: int = 0
-    cache_misses: int = 0  # compiled here
-    compile_seconds: float = 0.0
-    load_seconds: float = 0.0
-    eager_steps: int = 0  # steps run eagerly because their bucket had no graph yet
-    real_tokens: int = 0
-    padded_tokens: int = 0
-    bucket_steps: collections.Counter = field(default_factory=collections.Counter)
-
-
 class StepGraphs:
-    def __init__(self, model: torch.nn.Module, vllm_config, grid: list[Bucket],
-                 device: torch.device, compile_backend: str | None,
-                 cache: GraphCache | None = None,
-                 key_of: Callable[[Bucket], GraphKey] | None = None,
-                 options_of: Callable[[Bucket], dict | None] = lambda bucket: None):
-        self.model, self.vllm_config = model, vllm_config
-        self.compile_backend, self.cache, self.key_of = compile_backend, cache, key_of
-        self.options_of = options_of  # torch.compile options per bucket
-        self.buffers = {b: BucketBuffers(b, device) for b in grid}
+    def __init__(self, model: torch.nn.Module, vllm_config, grid: list[Bucket], device: Device,
+                 compile: bool, cache: GraphCache | None = None,
+                 key_of: Callable[[Bucket], GraphKey] | None = None):
+        self.model, self.vllm_config, self.device = model, vllm_config, device
+        self.compile_backend = device.compile_backend if compile else None
+        self.cache, self.key_of = cache, key_of
+        self.buffers = {b: BucketBuffers(b, device.torch_device) for b in grid}
         # One metadata object for all layers, not one per layer name (attention/layer.py).
         self._contexts = {b: create_forward_context(buf.attn_metadata, vllm_config)
                           for b, buf in self.buffers.items()}
@@ -156,11 +142,11 @@ class StepGraphs:
         return True
 
     def _compile(self, bucket: Bucket) -> Callable:
-        options = self.options_of(bucket)
+        options = self.device.graph_options(bucket.is_decode)
         with self._traced_layers(bucket):
             try:
                 fn = self._aot_compile(bucket, options)
-            except Exception as error:  # noqa: BLE001 - the plain build below still serves
+            except Exception as error:
                 if not options:
                     raise
                 logger.warning("graph %s: compiling with %s failed (%s: %s); compiling it "
@@ -180,9 +166,9 @@ class StepGraphs:
                 ((self.model, buf.input_ids, buf.positions, buf.logits_indices), {}))
 
     def _traced_layers(self, bucket: Bucket) -> contextlib.AbstractContextManager:
-        """A graph built with options (the C++ wrapper, which cannot emit compile regions)
-        inlines every layer; it is traced, loaded and checked with the layers so."""
-        if self.options_of(bucket):
+        """A graph whose device compiles it without regions (Device.inline_layers) is
+        traced, loaded and checked with every layer inlined."""
+        if self.device.inline_layers(bucket.is_decode):
             return compile_regions.layers_inlined(self.model)
         return contextlib.nullcontext()
 
@@ -194,7 +180,9 @@ class StepGraphs:
         if out.shape[0] != bucket.num_reqs:
             raise RuntimeError(f"graph returned {tuple(out.shape)} logits for bucket {bucket}")
         # The call above checked dynamo's guards; every later call passes the same model and
-        # the same persistent buffers, so re-checking them is 1.2 ms of a 15 ms decode step.
+        # the same persistent buffers, so re-checking them would be pure overhead, and a
+        # visible share of a short decode step (measured: benchmarks/README.md, "Design
+        # measurements").
         fn.disable_guard_check()
 
     def load_ready(self, buckets: Iterable[Bucket]) -> list[Bucket]:

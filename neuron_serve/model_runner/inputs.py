@@ -25,8 +25,8 @@ import torch
 
 from neuron_serve.attention.backend import NeuronAttentionMetadata
 from neuron_serve.attention.kernels import QueryTiles
+from neuron_serve.buckets import Bucket, blocks_needed, select
 from neuron_serve.model_runner import query_tiles
-from neuron_serve.model_runner.buckets import Bucket, blocks_needed, select
 
 
 class BucketBuffers:

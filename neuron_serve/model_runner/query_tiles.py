@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from neuron_serve.model_runner.buckets import Bucket
+from neuron_serve.buckets import Bucket
 
 
 def _leftover_in_tiles(num_scheduled: np.ndarray, query_tile: int, num_tiles: int) -> np.ndarray | None:

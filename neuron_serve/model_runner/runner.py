@@ -7,8 +7,6 @@ sample with vLLM's Sampler → record the new tokens.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 from vllm.config import VllmConfig
@@ -24,11 +22,13 @@ from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 from vllm.v1.worker.utils import allocate_kv_cache, bind_kv_cache
 
 from neuron_serve import device as device_mod
+from neuron_serve.attention import kernels
+from neuron_serve.attention import layer as attention_layer
 from neuron_serve.config import NeuronConfig
-from neuron_serve.graph_cache import background
 from neuron_serve.graph_cache.key import graph_key
 from neuron_serve.graph_cache.store import GraphCache
 from neuron_serve.logs import init_logger
+from neuron_serve.model_runner import background, compile_regions
 from neuron_serve.model_runner.graphs import StepGraphs, log_progress
 from neuron_serve.model_runner.inputs import StepPlan, plan_step
 
@@ -63,8 +63,16 @@ class NeuronModelRunner:
     # ---- lifecycle -------------------------------------------------------------------
 
     def load_model(self) -> None:
-        self.model = get_model(vllm_config=self.vllm_config).eval()
-        device_mod.current().prepare_model(self.model)
+        """vLLM's model, its attention layers on the device's kernels (one metadata object
+        per step for all layers), rewritten for the device, layers marked as compile regions
+        where the device compiles so."""
+        dev = device_mod.current()
+        self.model = model = get_model(vllm_config=self.vllm_config).eval()
+        attention_layer.adopt(model, kernels.get(dev.attention_kernel))
+        dev.prepare_model(model)
+        if dev.regional_compile:
+            count = compile_regions.compile_layers_once(model)
+            logger.info("%d decoder layers compiled once per graph", count)
 
     def attention_layers(self) -> dict[str, AttentionLayerBase]:
         from vllm.config import get_layers_from_vllm_config
@@ -86,7 +94,7 @@ class NeuronModelRunner:
             raise RuntimeError(f"KV cache block size {block_size} differs from the one the "
                                f"buckets were planned for ({self.config.block_size})")
         layout = self.vllm_config.cache_config.get_resolved_kv_cache_layout()
-        with background.uncommitted_zeros() if lazy else device_mod.current().kv_cache_memory():
+        with device_mod.current().kv_cache_memory(committed=not lazy):
             views = allocate_kv_cache(kv_cache_config, self.device, layout)
         # [blocks, kv heads, block size, 2 * head] → token-major [blocks, block size, kv heads, 2 * head]
         caches = {name: t.permute(0, 2, 1, 3) for name, t in views.items()}
@@ -103,14 +111,14 @@ class NeuronModelRunner:
         cache = key_of = None
         if cfg.compile and cfg.cache_dir:
             cache = GraphCache(cfg.cache_dir, int(cfg.cache_max_gb * 1e9))
-            # The emulated compiler's kernel builds live in the cache too: self-contained,
-            # pruned and exported with it.
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache.inductor_dir)
+            # The compiler's own builds live in the cache too: pruned and exported with it.
+            dev.use_compiler_cache(cache.inductor_dir)
             options = dev.compile_options()
-            key_of = lambda bucket: graph_key(self.vllm_config, bucket, num_blocks, options)  # noqa: E731
-        return StepGraphs(self.model, self.vllm_config, list(cfg.grid), self.device,
-                          dev.compile_backend if cfg.compile else None, cache, key_of,
-                          lambda bucket: dev.inductor_options(bucket.is_decode))
+
+            def key_of(bucket):
+                return graph_key(self.vllm_config, bucket, num_blocks, options)
+        return StepGraphs(self.model, self.vllm_config, list(cfg.grid), dev, cfg.compile,
+                          cache, key_of)
 
     def warm_up(self, progress=log_progress) -> float:
         """Give buckets their graphs per the compile mode; seconds spent."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 import ast
 import sysconfig
 from pathlib import Path
-
 from pydoc_data.topics import topics
 
 MIN_DOCSTRING_CHARS = 120

@@ -13,15 +13,25 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from vllm.engine.protocol import EngineClient
 from vllm.v1.engine.exceptions import EngineDeadError
 
+from neuron_serve.server.chat import ChatService
 from neuron_serve.server.errors import ServerError, register_error_handlers
 from neuron_serve.server.metrics import render as render_metrics
-from neuron_serve.server.chat import ChatService
 from neuron_serve.server.profiling import ProfileControl
-from neuron_serve.server.protocol import (ChatCompletionRequest, ChatCompletionResponse,
-                                          CompletionRequest, CompletionResponse,
-                                          DetokenizeRequest, DetokenizeResponse, ErrorResponse,
-                                          ModelCard, ModelList, ProfileStarted, ProfileStopped,
-                                          TokenizeRequest, TokenizeResponse)
+from neuron_serve.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    ProfileStarted,
+    ProfileStopped,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from neuron_serve.server.serving import CompletionService, GenerationService
 
 
@@ -84,14 +94,12 @@ async def _generation(request: Request, service: GenerationService, req, request
 
 def build_app(engine: EngineClient, served_names: list[str], *,
               request_timeout_s: float | None = None, profile_dir: str | None = None) -> FastAPI:
-    """The HTTP app for one engine serving one model under `served_names`."""
+    """The HTTP app for one engine serving one model under `served_names`; profiles are
+    written under `profile_dir` (None: profiling is off)."""
     app = FastAPI(title="neuron-serve", version=__import__("neuron_serve").__version__)
     register_error_handlers(app)
     completions = CompletionService(engine, served_names, request_timeout_s)
     chat = ChatService(engine, served_names, request_timeout_s)
-    if profile_dir is None:
-        from neuron_serve import envs
-        profile_dir = envs.NEURON_SERVE_PROFILE_DIR
     profiler = ProfileControl(engine, profile_dir)
     root = engine.model_config.model
     version = __import__("neuron_serve").__version__

@@ -9,9 +9,17 @@ from vllm.outputs import RequestOutput
 
 from neuron_serve.server.errors import CLIENT_ERRORS, client_error
 from neuron_serve.server.logprobs import chat_logprobs
-from neuron_serve.server.protocol import (ChatChoice, ChatLogprobs, ChatCompletionChunk, ChatCompletionRequest,
-                                          ChatCompletionResponse, ChatDelta, ChatResponseMessage,
-                                          ChatStreamChoice, Usage)
+from neuron_serve.server.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    Usage,
+)
 from neuron_serve.server.serving import GenerationService, stream_error_event
 
 
@@ -25,8 +33,8 @@ class ChatService(GenerationService):
         prompt, outputs = self._generate(req, request_id)
         final: RequestOutput | None = None
         try:
-            async for _, final in outputs:
-                pass
+            async for _, out in outputs:
+                final = out
         except CLIENT_ERRORS as exc:
             raise client_error(exc) from exc
         choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
@@ -69,6 +77,6 @@ class ChatService(GenerationService):
                         token_ids=list(c.token_ids) if req.return_token_ids else None))
             if req.stream_usage:
                 yield event(None, Usage.of(prompt_tokens, completion_tokens))
-        except Exception as exc:  # headers are sent; report in-band (DESIGN §6)
+        except Exception as exc:  # noqa: BLE001 - headers are sent: reported in-band (DESIGN §6)
             yield stream_error_event(exc)
         yield "data: [DONE]\n\n"

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from neuron_serve.server.protocol import (ChatLogprobs, ChatTokenLogprob, CompletionLogprobs,
-                                          TopLogprob)
+from neuron_serve.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
 
 def _text(token_id: int, lp, tokenizer) -> str:

@@ -13,13 +13,16 @@ from neuron_serve.server.protocol import ProfileFiles, ProfileStarted, ProfileSt
 
 
 class ProfileControl:
-    def __init__(self, engine: EngineClient, directory: str):
+    def __init__(self, engine: EngineClient, directory: str | None):
         self.engine, self.directory = engine, directory
         self.recording = False
         self._lock = asyncio.Lock()  # start and stop never interleave
 
     async def start(self) -> ProfileStarted:
         async with self._lock:
+            if self.directory is None:
+                raise ServerError("profiling is off: this server has no profile directory",
+                                  HTTPStatus.CONFLICT)
             if self.recording:
                 raise ServerError("a profile is already recording; POST /admin/profile/stop "
                                   "first", HTTPStatus.CONFLICT)

@@ -21,9 +21,15 @@ from vllm.utils.async_utils import merge_async_iterators
 
 from neuron_serve.server.errors import CLIENT_ERRORS, ServerError, client_error
 from neuron_serve.server.logprobs import completion_logprobs
-from neuron_serve.server.protocol import (ChatMessage, CompletionChoice, CompletionLogprobs,
-                                          CompletionRequest, CompletionResponse,
-                                          SamplingRequest, Usage)
+from neuron_serve.server.protocol import (
+    ChatMessage,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    SamplingRequest,
+    Usage,
+)
 
 
 class GenerationService:
@@ -61,7 +67,7 @@ class GenerationService:
         try:
             text = self.tokenizer.apply_chat_template(
                 turns, add_generation_prompt=add_generation_prompt, tokenize=False)
-        except Exception as exc:  # noqa: BLE001 - templates raise anything; the input is at fault
+        except Exception as exc:
             raise ServerError(f"the chat template rejected the messages: {exc}",
                               param="messages") from exc
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -192,7 +198,7 @@ class CompletionService(GenerationService):
                 usage = Usage.of(sum(map(len, prompts)), completion_tokens)
                 chunk = CompletionResponse(id=request_id, model=req.model, choices=[], usage=usage)
                 yield f"data: {chunk.model_dump_json()}\n\n"
-        except Exception as exc:  # headers are sent; report in-band (DESIGN §6)
+        except Exception as exc:  # noqa: BLE001 - headers are sent: reported in-band (DESIGN §6)
             yield stream_error_event(exc)
         yield "data: [DONE]\n\n"
 

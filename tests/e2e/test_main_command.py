@@ -1,0 +1,37 @@
+"""The README's main command (`make serve`) serves the demo model to the `openai` client."""
+
+import re
+
+import openai
+import pytest
+from conftest import REPO, free_port, start_server
+from oracles import english_words
+from train_demo import build_documents
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def demo_server(tmp_path_factory):
+    port = free_port()
+    # As from a user's shell: under `make test ARGS=...` the outer make's variables reach
+    # this make (through MAKEFLAGS and the environment), and pytest's flags the server's.
+    shell = ["env", *(f"-u{name}" for name in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "ARGS",
+                                                "MODEL", "COMPILE", "HOST", "PYTHON"))]
+    server = start_server([*shell, "make", "-s", "-C", str(REPO), "serve", f"PORT={port}"], port,
+                          tmp_path_factory.mktemp("logs") / "make_serve.log")
+    yield server
+    server.stop()
+
+
+def test_main_command_answers_in_english(demo_server):
+    """Exact parity is tested in fp32 elsewhere; here the command runs as a user runs it
+    (bf16 on CPUs with native bf16), so the oracle is the training text's vocabulary."""
+    client = openai.OpenAI(base_url=f"{demo_server.base_url}/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["demo"]
+    resp = client.completions.create(model="demo", prompt="A list is a sequence of",
+                                     max_tokens=32, temperature=0)
+    words = [w.lower() for w in re.findall(r"[A-Za-z]+", resp.choices[0].text)]
+    known = english_words(build_documents(seed=0))
+    assert len(words) >= 8, resp.choices[0].text
+    assert sum(w in known for w in words) / len(words) >= 0.9, resp.choices[0].text

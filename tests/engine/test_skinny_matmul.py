@@ -1,0 +1,111 @@
+"""The decode matmul kernel (emulated backend, skinny_matmul.cpp) against `x @ W.T + b`:
+every row-tile height of its AVX2 and its AVX-512 tiles (with and without prefetching),
+widths that are not a multiple of its 16-column blocks (200 outputs: two threads take 7 and
+6 blocks, each ending in a short panel), eager and compiled, and the errors it gives for
+weights that do not fit."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from neuron_serve.device.emulated import extension as cpu_extension
+from neuron_serve.device.emulated import skinny_matmul
+
+pytestmark = [pytest.mark.emulated,
+              pytest.mark.skipif(not cpu_extension.cpu_supported(), reason="needs AVX2")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    skinny_matmul.load()
+
+
+@pytest.fixture(params=["avx2", "avx512"])
+def isa(request):
+    """Each set of tiles, whatever this CPU would pick: AVX-512 where it has it."""
+    avx2_only = request.param == "avx2"
+    if torch.ops.neuron_serve.skinny_matmul_isa(avx2_only) != request.param:
+        pytest.skip("this CPU has no AVX-512")
+    yield request.param
+    torch.ops.neuron_serve.skinny_matmul_isa(False)
+
+
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (200, 96), (37, 5), (17, 1)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 8, 9, 13, 16, 24, 25, 32, 65, 128])
+def test_matches_plain_matmul(rows, out_features, in_features, isa):
+    torch.manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features)
+    bias = torch.randn(out_features)
+    x = torch.randn(rows, in_features)
+    blocks = skinny_matmul.pack_weight(weight)
+    torch.testing.assert_close(skinny_matmul.skinny_matmul(x, blocks, bias, out_features),
+                               x @ weight.T + bias, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(skinny_matmul.skinny_matmul(x, blocks, None, out_features),
+                               x @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("rows", [1, 8])
+def test_threads_take_equal_runs_of_blocks_ending_in_short_panels(threads, rows):
+    """Two or three threads split 13 blocks (7 + 6, 5 + 5 + 3; 1024 inputs, so no grain
+    merges them), most ranges ending in a panel shorter than 4 (1 row) or 3 (8 rows)."""
+    torch.manual_seed(threads * 10 + rows)
+    weight, bias, x = torch.randn(200, 1024), torch.randn(200), torch.randn(rows, 1024)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = skinny_matmul.skinny_matmul(x, skinny_matmul.pack_weight(weight), bias, 200)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out, x @ weight.T + bias, rtol=1e-4, atol=1e-4)
+
+
+def test_in_a_compiled_graph_and_on_strided_input():
+    torch.manual_seed(0)
+    weight, bias = torch.randn(50, 40), torch.randn(50)
+    blocks = skinny_matmul.pack_weight(weight)
+    x = torch.randn(40, 4).T  # [4, 40], not contiguous
+
+    def step(x):
+        return torch.relu(skinny_matmul.skinny_matmul(x * 2, blocks, bias, 50)) + 1
+
+    expected = torch.relu((x * 2) @ weight.T + bias) + 1
+    torch.testing.assert_close(step(x), expected, rtol=1e-5, atol=1e-5)
+    compiled = torch.compile(step, fullgraph=True, dynamic=False)
+    torch.testing.assert_close(compiled(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_weight_that_does_not_fit_is_refused():
+    blocks = skinny_matmul.pack_weight(torch.randn(32, 8))
+    with pytest.raises(RuntimeError, match="do not fit"):
+        skinny_matmul.skinny_matmul(torch.randn(2, 9), blocks, None, 32)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        skinny_matmul.skinny_matmul(torch.randn(2, 8), blocks, None, 40)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        skinny_matmul.skinny_matmul(torch.randn(2, 8), blocks.double(), None, 32)
+    with pytest.raises(RuntimeError, match="bias must be float32"):
+        skinny_matmul.skinny_matmul(torch.randn(2, 8), blocks, torch.randn(31), 32)
+    with pytest.raises(RuntimeError, match="float32"):
+        skinny_matmul.skinny_matmul(torch.randn(2, 8, dtype=torch.float64), blocks, None, 32)
+
+
+def test_a_build_is_reused_and_never_half_written(tmp_path):
+    """A fresh kernel directory gets one finished library and nothing else (the build ran
+    in a private directory); a second process loads that file without building again."""
+    code = ("from neuron_serve.device.emulated import extension as c; c.load(); "
+            "print(c.library_path().name)")
+    env = {**os.environ, "NEURON_SERVE_KERNEL_DIR": str(tmp_path)}
+
+    def load_in_new_process() -> str:
+        return subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                              capture_output=True, text=True).stdout.split()[-1]
+
+    name = load_in_new_process()
+    assert [p.name for p in tmp_path.iterdir()] == [name]
+    built = (tmp_path / name).stat().st_mtime_ns
+    assert load_in_new_process() == name
+    assert [p.name for p in tmp_path.iterdir()] == [name]
+    assert (tmp_path / name).stat().st_mtime_ns == built
