@@ -1,0 +1,157 @@
+"""A stand-in for vLLM's engine client, for the server's unit tests: only what build_app
+and the services call (model_config, get_tokenizer, generate, abort, check_health,
+collective_rpc), with a real tokenizer and real vLLM output objects.
+
+Generation is deterministic and trivial: choice c of a prompt of L tokens emits the word
+tokens word_ids[L + c], word_ids[L + c + 1], ... (`continuation`), max_tokens of them, then
+finish_reason "length"; sampling fields other than n, max_tokens, logprobs and output_kind
+are recorded, not obeyed. Streamed requests (RequestOutputKind.DELTA) get one output per
+token and choice, interleaved, as vLLM's parallel sampling sends them; others get one final
+output with every choice. A generator closed or cancelled early aborts its request, as
+AsyncLLM.generate does. What the server does with a real engine's outputs is checked end to
+end in tests/e2e/test_serve.py, test_chat_and_tokenize.py and test_lifecycle.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+from vllm.logprobs import Logprob
+from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.v1.engine.exceptions import EngineGenerateError
+
+from neuron_serve.models.corpus import topic_documents
+from neuron_serve.models.tokenizer import save_hf_tokenizer, train_bpe
+
+MAX_MODEL_LEN = 128
+SERVED = "tiny"
+VOCAB = 512
+
+
+def make_tokenizer(directory: Path):
+    """A byte-level BPE with our chat template, saved and loaded the way vLLM loads one."""
+    from transformers import AutoTokenizer
+    from vllm.tokenizers.hf import get_cached_tokenizer
+
+    save_hf_tokenizer(train_bpe(topic_documents().values(), VOCAB), directory, MAX_MODEL_LEN)
+    return get_cached_tokenizer(AutoTokenizer.from_pretrained(directory))
+
+
+class StandInEngine:
+    """Records every request (`requests`: prompt ids and SamplingParams by request id).
+    `hold`, an asyncio.Event, keeps generations before their first output until it is set
+    (it binds to the loop that first waits on it: one loop per test). `fail_after` raises
+    vLLM's EngineGenerateError after that many outputs, as AsyncLLM does when its
+    generation fails."""
+
+    def __init__(self, tokenizer, max_model_len: int = MAX_MODEL_LEN):
+        self.model_config = SimpleNamespace(max_model_len=max_model_len, model="/models/tiny")
+        self.tokenizer = tokenizer
+        self.word_ids = sorted(i for i in range(len(tokenizer))
+                               if re.fullmatch(r" [a-z]{3,}", tokenizer.decode([i])))
+        self.hold: asyncio.Event | None = None
+        self.fail_after: int | None = None
+        self.requests: dict[str, tuple[list[int], SamplingParams]] = {}
+        self.running: set[str] = set()
+        self.aborted: list[str] = []
+        self.rpc_calls: list[tuple[str, tuple]] = []
+        self.rpc_results: dict[str, list] = {"graph_stats": []}  # shape-free: no ranks
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    async def check_health(self) -> None:
+        pass
+
+    async def abort(self, request_id) -> None:
+        self.aborted.append(request_id)
+
+    async def collective_rpc(self, method: str, timeout=None, args: tuple = (), kwargs=None):
+        self.rpc_calls.append((method, args))
+        return self.rpc_results.get(method, [None])
+
+    async def wait_for_running(self, n: int, timeout: float = 5.0) -> None:
+        """Until `n` generations have been submitted and not finished."""
+        async with asyncio.timeout(timeout):
+            while len(self.running) < n:
+                await asyncio.sleep(0.005)
+
+    def continuation(self, prompt: list[int], choice: int, count: int) -> list[int]:
+        start = len(prompt) + choice
+        return [self.word_ids[(start + k) % len(self.word_ids)] for k in range(count)]
+
+    async def generate(self, prompt, sampling_params: SamplingParams, request_id: str, **_):
+        ids = list(prompt["prompt_token_ids"])
+        self.requests[request_id] = (ids, sampling_params)
+        self.running.add(request_id)
+        try:
+            if self.hold is not None:
+                await self.hold.wait()
+            for sent, out in enumerate(self._outputs(request_id, ids, sampling_params)):
+                if self.fail_after is not None and sent >= self.fail_after:
+                    raise EngineGenerateError() from RuntimeError("worker failed")
+                yield out
+                await asyncio.sleep(0)
+        except (asyncio.CancelledError, GeneratorExit):
+            await self.abort(request_id)
+            raise
+        finally:
+            self.running.discard(request_id)
+
+    def _outputs(self, request_id: str, prompt: list[int], params: SamplingParams):
+        n, length = params.n, params.max_tokens
+        tokens = [self.continuation(prompt, c, length) for c in range(n)]
+        if params.output_kind == RequestOutputKind.FINAL_ONLY:
+            yield self._request_output(request_id, prompt, [
+                self._completion(c, tokens[c], 0, length, params) for c in range(n)], True)
+            return
+        for step in range(length):
+            for c in range(n):
+                done = step == length - 1
+                yield self._request_output(request_id, prompt, [
+                    self._completion(c, tokens[c], step, step + 1, params)], done and c == n - 1)
+
+    def _completion(self, index: int, tokens: list[int], start: int, end: int,
+                    params: SamplingParams) -> CompletionOutput:
+        text = self.tokenizer.decode(tokens[:end])[len(self.tokenizer.decode(tokens[:start])):]
+        new = tokens[start:end]
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = [self._step_logprobs(t, params.logprobs) for t in new]
+        return CompletionOutput(index=index, text=text, token_ids=new, cumulative_logprob=None,
+                                logprobs=logprobs,
+                                finish_reason="length" if end == len(tokens) else None)
+
+    def _step_logprobs(self, token: int, top: int) -> dict[int, Logprob]:
+        """The sampled token's logprob, then `top` alternatives' (vLLM returns both)."""
+        alternatives = [a for a in self.word_ids if a != token][:top]
+        return {t: Logprob(logprob=-0.5 * rank, rank=rank,
+                           decoded_token=self.tokenizer.decode([t]))
+                for rank, t in enumerate([token, *alternatives], start=1)}
+
+    @staticmethod
+    def _request_output(request_id: str, prompt: list[int], outputs: list[CompletionOutput],
+                        finished: bool) -> RequestOutput:
+        return RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=prompt,
+                             prompt_logprobs=None, outputs=outputs, finished=finished)
+
+
+def sse_events(body: str) -> list[str]:
+    """The `data:` payloads of a server-sent-events body, checking its framing: every event
+    is exactly one `data: ...` line followed by a blank line."""
+    assert body.endswith("\n\n"), body[-200:]
+    events = body[:-2].split("\n\n")
+    assert all(e.startswith("data: ") and "\n" not in e for e in events), events
+    return [e.removeprefix("data: ") for e in events]
+
+
+def sse_chunks(body: str) -> list[dict]:
+    """The JSON events of a stream that ends with `data: [DONE]` (and only there)."""
+    events = sse_events(body)
+    assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1], events
+    return [json.loads(e) for e in events[:-1]]
