@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         init_plain_logging()
     else:
         init_logger(__name__)  # vLLM's handler and format, before vLLM logs anything
-    plugin.activate()  # our server always runs on our platform
+        plugin.activate()  # our engines always run on our platform
     args = build_parser(argv).parse_args(argv)
     if args.command in ("serve", "compile"):
         check_model(args)
