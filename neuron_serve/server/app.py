@@ -70,7 +70,8 @@ async def _unless_disconnected(request: Request, work: Awaitable) -> Response:
         watch.cancel()
         if not task.done():
             task.cancel()
-    return task.result() if not task.cancelled() else Response(status_code=CLIENT_DISCONNECTED)
+            await asyncio.wait({task})  # the cancellation lands: the engine request is aborted
+    return Response(status_code=CLIENT_DISCONNECTED) if task.cancelled() else task.result()
 
 
 class EventStream(StreamingResponse):
