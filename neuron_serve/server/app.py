@@ -69,9 +69,10 @@ async def _unless_disconnected(request: Request, work: Awaitable) -> Response:
     finally:
         watch.cancel()
         if not task.done():
-            task.cancel()
-            await asyncio.wait({task})  # the cancellation lands: the engine request is aborted
-    return Response(status_code=CLIENT_DISCONNECTED) if task.cancelled() else task.result()
+            task.cancel()  # lands at the task's next step and aborts the engine request
+    if task.done() and not task.cancelled():
+        return task.result()
+    return Response(status_code=CLIENT_DISCONNECTED)
 
 
 class EventStream(StreamingResponse):
