@@ -69,10 +69,8 @@ async def _unless_disconnected(request: Request, work: Awaitable) -> Response:
     finally:
         watch.cancel()
         if not task.done():
-            task.cancel()  # lands at the task's next step and aborts the engine request
-    if task.done() and not task.cancelled():
-        return task.result()
-    return Response(status_code=CLIENT_DISCONNECTED)
+            task.cancel()
+    return task.result() if not task.cancelled() else Response(status_code=CLIENT_DISCONNECTED)
 
 
 class EventStream(StreamingResponse):

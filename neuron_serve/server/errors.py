@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import re
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -15,8 +14,6 @@ from vllm.exceptions import VLLMClientError
 from neuron_serve.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
-
-_TYPE_TAG = re.compile(r"^(str|int|float|bool|dict|list|none)(\[.*\])?$")
 
 
 class ServerError(Exception):
@@ -54,11 +51,7 @@ def register_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
-        if first.get("type") == "json_invalid":  # its loc is a character position
-            return _respond(f"the request body is not valid JSON: {first.get('msg', '')}",
-                            HTTPStatus.BAD_REQUEST)
-        # A union field's errors name the member type tried ('prompt.str'): not a param.
-        loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _TYPE_TAG.match(str(p))]
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
         return _respond(f"{param or 'request'}: {first.get('msg', 'invalid request')}",
                         HTTPStatus.BAD_REQUEST, param)

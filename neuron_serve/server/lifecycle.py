@@ -85,17 +85,11 @@ class Lifecycle:
             return await _reject(send, HTTPStatus.SERVICE_UNAVAILABLE,
                                  "the server is shutting down; retry on another replica",
                                  retry_after=True)
-        max_body = self.limits.max_request_body_bytes
-        if "content-length" not in headers:  # chunked: count what arrives
-            receive = await _body_within(receive, max_body)
-            if receive is None:
-                return await _reject(send, HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                                     f"request body exceeds the limit of {max_body} bytes "
-                                     "(--max-request-body-bytes)")
-        elif int(headers["content-length"] or 0) > max_body:
+        length = int(headers.get("content-length") or 0)
+        if length > self.limits.max_request_body_bytes:
             return await _reject(send, HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                                 f"request body of {headers['content-length']} bytes exceeds "
-                                 f"the limit of {max_body} (--max-request-body-bytes)")
+                                 f"request body of {length} bytes exceeds the limit of "
+                                 f"{self.limits.max_request_body_bytes} (--max-request-body-bytes)")
         if path not in ADMITTED_PATHS:
             return await self.app(scope, receive, send)
         limit = self.limits.max_queued_requests
@@ -123,28 +117,6 @@ class Lifecycle:
             await asyncio.sleep(0.05)
         if self.in_flight:
             access_log.warning("drain timeout: %d requests still in flight", self.in_flight)
-
-
-async def _body_within(receive, limit: int):
-    """Read a body of unknown length; None if it passes `limit` bytes, else a `receive` that
-    replays it and then passes the client's later messages (a disconnect) through."""
-    chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":  # the client left: the app sees that
-            replay = [message]
-            break
-        chunks.append(message.get("body", b""))
-        size += len(chunks[-1])
-        if size > limit:
-            return None
-        if not message.get("more_body", False):
-            replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
-            break
-
-    async def replaying():
-        return replay.pop() if replay else await receive()
-    return replaying
 
 
 async def _reject(send, status: HTTPStatus, message: str, retry_after: bool = False) -> None:

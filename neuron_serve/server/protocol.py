@@ -53,10 +53,6 @@ class SamplingRequest(OpenAIModel):
         return None
 
     @property
-    def is_chat(self) -> bool:
-        return False
-
-    @property
     def stream_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
@@ -85,10 +81,6 @@ class ChatCompletionRequest(SamplingRequest):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
-
-    @property
-    def is_chat(self) -> bool:
-        return True
 
     max_tokens: int | None = Field(default=None, ge=1)  # deprecated by OpenAI, still sent
     max_completion_tokens: int | None = Field(default=None, ge=1)

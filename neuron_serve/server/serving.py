@@ -73,11 +73,6 @@ class GenerationService:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def sampling_params(self, req: SamplingRequest, prompt_len: int) -> SamplingParams:
-        if prompt_len >= self.max_model_len:
-            raise ServerError(
-                f"this model's maximum context length is {self.max_model_len} tokens, the "
-                f"prompt alone has {prompt_len}, and the answer needs at least one more. "
-                "Shorten the prompt.", param="messages" if req.is_chat else "prompt")
         max_tokens = req.requested_max_tokens or self.max_model_len - prompt_len
         if prompt_len + max_tokens > self.max_model_len:
             raise ServerError(
@@ -152,7 +147,7 @@ class CompletionService(GenerationService):
             raise client_error(exc) from exc
         choices, completion_tokens = [], 0
         for i in range(len(prompts)):
-            prefix = self._echo(req, i, prompts[i]) if req.echo else ""
+            prefix = self.tokenizer.decode(prompts[i]) if req.echo else ""
             for c in finals[i].outputs:
                 completion_tokens += len(c.token_ids)
                 choices.append(CompletionChoice(
@@ -162,14 +157,6 @@ class CompletionService(GenerationService):
         return CompletionResponse(
             id=request_id, model=req.model, choices=sorted(choices, key=lambda c: c.index),
             usage=Usage.of(sum(map(len, prompts)), completion_tokens))
-
-    def _echo(self, req: CompletionRequest, i: int, ids: list[int]) -> str:
-        """Prompt i as sent: its text, or its token ids decoded."""
-        if isinstance(req.prompt, str):
-            return req.prompt
-        if isinstance(req.prompt[0], str):
-            return req.prompt[i]
-        return self.tokenizer.decode(ids)
 
     def _logprobs(self, req: CompletionRequest, c, offset: int) -> CompletionLogprobs | None:
         if req.logprobs is None or c.logprobs is None:
@@ -199,7 +186,7 @@ class CompletionService(GenerationService):
                     text = c.text
                     if req.echo and index not in echoed:
                         echoed.add(index)
-                        text = self._echo(req, i, prompts[i]) + text
+                        text = self.tokenizer.decode(prompts[i]) + text
                     offset = offsets.get(index, 0) + len(text) - len(c.text)
                     offsets[index] = offset + len(c.text)
                     choice = CompletionChoice(index=index, text=text, finish_reason=c.finish_reason,
