@@ -20,6 +20,7 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 from vllm.logprobs import Logprob
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -155,3 +156,14 @@ def sse_chunks(body: str) -> list[dict]:
     events = sse_events(body)
     assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1], events
     return [json.loads(e) for e in events[:-1]]
+
+
+# Fixtures the server test modules import: one tokenizer per module, a fresh engine per test.
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return make_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture
+def engine(tokenizer):
+    return StandInEngine(tokenizer)

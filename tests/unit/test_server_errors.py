@@ -4,23 +4,13 @@ failures 500 without internals. End to end: tests/e2e/test_serve.py, test_chat_a
 
 import pytest
 from fastapi.testclient import TestClient
-from server_fakes import MAX_MODEL_LEN, SERVED, StandInEngine, make_tokenizer
+from server_fakes import MAX_MODEL_LEN, SERVED, engine, tokenizer  # noqa: F401 - fixtures
 
 from neuron_serve.server.app import build_app
 
 MESSAGES = [{"role": "user", "content": "What does a list hold?"}]
 COMPLETION = {"model": SERVED, "prompt": "A list", "max_tokens": 2}
 CHAT = {"model": SERVED, "messages": MESSAGES, "max_tokens": 2}
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return make_tokenizer(tmp_path_factory.mktemp("tokenizer"))
-
-
-@pytest.fixture
-def engine(tokenizer):
-    return StandInEngine(tokenizer)
 
 
 @pytest.fixture

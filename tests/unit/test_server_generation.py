@@ -4,7 +4,7 @@ engine, Transformers as the oracle): tests/e2e/test_serve.py, test_chat_and_toke
 
 import pytest
 from fastapi.testclient import TestClient
-from server_fakes import SERVED, StandInEngine, make_tokenizer, sse_chunks
+from server_fakes import SERVED, engine, sse_chunks, tokenizer  # noqa: F401 - fixtures
 from vllm.sampling_params import RequestOutputKind
 
 from neuron_serve.server.app import build_app
@@ -12,16 +12,6 @@ from neuron_serve.server.app import build_app
 MESSAGES = [{"role": "system", "content": "Answer briefly."},
             {"role": "user", "content": "What does a list hold?"}]
 PROMPTS = ["A list", "The return statement"]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return make_tokenizer(tmp_path_factory.mktemp("tokenizer"))
-
-
-@pytest.fixture
-def engine(tokenizer):
-    return StandInEngine(tokenizer)
 
 
 @pytest.fixture

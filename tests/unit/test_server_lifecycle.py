@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from server_fakes import SERVED, StandInEngine, make_tokenizer, sse_events
+from server_fakes import SERVED, engine, sse_events, tokenizer  # noqa: F401 - fixtures
 
 from neuron_serve.server.app import build_app
 from neuron_serve.server.lifecycle import Lifecycle, ServerLimits, access_log
@@ -19,16 +19,6 @@ KEY = "sk-unit"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 BODY = {"model": SERVED, "prompt": "A list", "max_tokens": 3}
 PROBES = ("/health", "/ready", "/metrics", "/version")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return make_tokenizer(tmp_path_factory.mktemp("tokenizer"))
-
-
-@pytest.fixture
-def engine(tokenizer):
-    return StandInEngine(tokenizer)
 
 
 def front(engine, tmp_path, request_timeout_s=None, **limits) -> Lifecycle:

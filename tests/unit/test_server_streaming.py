@@ -7,7 +7,7 @@ import json
 
 import pytest
 from fastapi.testclient import TestClient
-from server_fakes import SERVED, StandInEngine, make_tokenizer, sse_chunks, sse_events
+from server_fakes import SERVED, engine, sse_chunks, sse_events, tokenizer  # noqa: F401 - fixtures
 
 from neuron_serve.server.app import build_app
 
@@ -16,16 +16,6 @@ MESSAGES = [{"role": "system", "content": "Answer briefly."},
 COMPLETION = {"model": SERVED, "prompt": "A list", "max_tokens": 3}
 CHAT = {"model": SERVED, "messages": MESSAGES, "max_completion_tokens": 3}
 IN_BAND_ERROR = {"error": {"message": "internal server error", "type": "server_error"}}
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return make_tokenizer(tmp_path_factory.mktemp("tokenizer"))
-
-
-@pytest.fixture
-def engine(tokenizer):
-    return StandInEngine(tokenizer)
 
 
 @pytest.fixture

@@ -3,23 +3,13 @@ end: tests/e2e/test_chat_and_tokenize.py, test_serve.py, test_lifecycle.py (prof
 
 import pytest
 from fastapi.testclient import TestClient
-from server_fakes import MAX_MODEL_LEN, SERVED, VOCAB, StandInEngine, make_tokenizer
+from server_fakes import MAX_MODEL_LEN, SERVED, VOCAB, engine, tokenizer  # noqa: F401 - fixtures
 
 from neuron_serve.server.app import build_app
 
 MESSAGES = [{"role": "system", "content": "Answer briefly."},
             {"role": "user", "content": "What does a list hold?"}]
 TEXT = "A list is a sequence of"
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return make_tokenizer(tmp_path_factory.mktemp("tokenizer"))
-
-
-@pytest.fixture
-def engine(tokenizer):
-    return StandInEngine(tokenizer)
 
 
 @pytest.fixture
