@@ -146,7 +146,7 @@ class StepGraphs:
         with self._traced_layers(bucket):
             try:
                 fn = self._aot_compile(bucket, options)
-            except Exception as error:
+            except Exception as error:  # the plain build below still serves
                 if not options:
                     raise
                 logger.warning("graph %s: compiling with %s failed (%s: %s); compiling it "

@@ -67,7 +67,7 @@ class GenerationService:
         try:
             text = self.tokenizer.apply_chat_template(
                 turns, add_generation_prompt=add_generation_prompt, tokenize=False)
-        except Exception as exc:
+        except Exception as exc:  # templates raise anything; the input is at fault
             raise ServerError(f"the chat template rejected the messages: {exc}",
                               param="messages") from exc
         return self.tokenizer.encode(text, add_special_tokens=False)
