@@ -6,9 +6,9 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 MODEL  ?=
 ARGS   ?=
-# `make serve` answers at once and compiles its graphs in the background (minutes on a
-# 2-core CPU); COMPILE=ahead waits for every graph first, as `neuron-serve serve` does.
-COMPILE ?= background
+# Empty: the device's compile mode (background on the CPU emulation: answers at once and
+# compiles its graphs meanwhile); COMPILE=ahead waits for every graph first.
+COMPILE ?=
 
 .PHONY: venv tools serve lint test test-fast clean
 
@@ -23,7 +23,7 @@ tools:
 	$(PYTHON) tools/setup_env.py --tools-only
 
 serve: $(READY)
-	$(VENV)/bin/neuron-serve serve $(MODEL) --host $(HOST) --port $(PORT) --compile-mode $(COMPILE) $(ARGS)
+	$(VENV)/bin/neuron-serve serve $(MODEL) --host $(HOST) --port $(PORT) $(if $(COMPILE),--compile-mode $(COMPILE)) $(ARGS)
 
 lint: $(READY)
 	$(VENV)/bin/ruff check .

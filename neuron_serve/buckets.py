@@ -18,6 +18,7 @@ bucket at the largest shape, last in the grid, holds any step.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,12 +33,17 @@ QUERY_TILE = 32
 class Bucket:
     num_tokens: int
     num_reqs: int
-    num_blocks: int  # block-table width: the longest context it holds, in blocks
+    num_blocks: int  # block-table width: the longest context it holds, in blocks (0: any)
     query_tile: int = 0  # rows per query tile; 0: every token attends on its own
 
     def holds(self, num_tokens: int, num_reqs: int, num_blocks: int) -> bool:
         return (num_tokens <= self.num_tokens and num_reqs <= self.num_reqs
                 and num_blocks <= self.num_blocks)
+
+    def any_width(self) -> Bucket:
+        """The same step shape at any block-table width: the id of a graph that serves
+        every width (Device.symbolic_context)."""
+        return dataclasses.replace(self, num_blocks=0)
 
     @property
     def is_decode(self) -> bool:
@@ -61,7 +67,7 @@ class Bucket:
 
     def __str__(self) -> str:
         tiles = f"-q{self.query_tile}" if self.query_tile else ""
-        return f"t{self.num_tokens}-r{self.num_reqs}-b{self.num_blocks}{tiles}"
+        return f"t{self.num_tokens}-r{self.num_reqs}-b{self.num_blocks or '*'}{tiles}"
 
 
 def powers_of_two(lo: int, hi: int, stride: int = 1) -> list[int]:

@@ -6,10 +6,13 @@ Read from vLLM's config and its `--additional-config '{"neuron": {...}}'` sectio
     request_buckets  [int]  padded request counts (decode steps use t = r)
     block_buckets    [int]  padded block-table widths (longest context, in blocks)
     max_attention_scratch_gb  float  cap on the attention gather of the largest bucket
-    compile_mode     str    ahead (default): every bucket compiled or loaded before ready;
+    compile_mode     str    ahead: every graph compiled or loaded before ready;
                             background: ready at once, buckets run eager until their graph
-                            is compiled by a background process; eager: never compile
-                            (also what --enforce-eager selects)
+                            is compiled by background processes; eager: never compile
+                            (also what --enforce-eager selects). Default: the device's
+                            (Device.default_compile_mode: background on the emulated
+                            device, ahead on Trainium); ahead where the cache is off
+    require_precompiled  bool  refuse to start unless the cache holds every graph
     cache_dir        str    compiled-graph cache directory, "off" to disable
                             (default: $NEURON_SERVE_CACHE_DIR or ~/.cache/neuron-serve/graphs)
     cache_max_gb     float  size cap of that cache, LRU-pruned (default 20)
@@ -25,7 +28,7 @@ from neuron_serve import buckets as bk
 
 ADDITIONAL_CONFIG_KEY = "neuron"
 _KNOWN_KEYS = {"token_buckets", "request_buckets", "block_buckets", "max_attention_scratch_gb",
-               "compile_mode", "cache_dir", "cache_max_gb"}
+               "compile_mode", "cache_dir", "cache_max_gb", "require_precompiled"}
 COMPILE_MODES = ("ahead", "background", "eager")
 DEFAULT_CACHE_MAX_GB = 20.0
 
@@ -43,6 +46,7 @@ class NeuronConfig:
     max_attention_scratch_gb: float = 8.0
     cache_dir: str | None = None  # None: no persistent cache
     cache_max_gb: float = DEFAULT_CACHE_MAX_GB
+    require_precompiled: bool = False
     grid: tuple[bk.Bucket, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -73,6 +77,10 @@ class NeuronConfig:
             raise ValueError("neuron.compile_mode='background' hands graphs over through the "
                              "compiled-graph cache, which is off: set neuron.cache_dir or "
                              "NEURON_SERVE_CACHE_DIR, or use compile_mode 'ahead'")
+        if self.require_precompiled and (self.compile_mode != "ahead" or not self.cache_dir):
+            raise ValueError("neuron.require_precompiled loads every graph from the cache "
+                             "before serving: it needs the cache (neuron.cache_dir) and "
+                             f"compile_mode 'ahead', not {self.compile_mode!r}")
         if not self.cache_max_gb > 0:
             raise ValueError(f"neuron.cache_max_gb must be positive, got {self.cache_max_gb}")
         for name in ("token_buckets", "request_buckets", "block_buckets"):
@@ -119,16 +127,24 @@ class NeuronConfig:
         from neuron_serve import envs
 
         sched = vllm_config.scheduler_config
-        mode = "eager" if vllm_config.model_config.enforce_eager else \
-            extra.get("compile_mode", envs.NEURON_SERVE_COMPILE_MODE)
         cache_dir = str(extra.get("cache_dir", envs.NEURON_SERVE_CACHE_DIR))
+        cache_on = cache_dir.lower() not in ("off", "")
+        strict = extra.get("require_precompiled", False)
+        if not isinstance(strict, bool):
+            raise ValueError(f"neuron.require_precompiled must be true or false, got {strict!r}")
+        mode = extra.get("compile_mode") or envs.NEURON_SERVE_COMPILE_MODE or None
+        if vllm_config.model_config.enforce_eager:
+            mode = "eager"
+        elif mode is None:
+            mode = "ahead" if strict or not cache_on else _device_default_mode()
         return cls(
             block_size=vllm_config.cache_config.block_size,
             max_model_len=vllm_config.model_config.max_model_len,
             max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
             compile_mode=mode,
-            cache_dir=None if cache_dir.lower() in ("off", "") else cache_dir,
+            require_precompiled=strict,
+            cache_dir=cache_dir if cache_on else None,
             cache_max_gb=float(extra.get("cache_max_gb", envs.NEURON_SERVE_CACHE_MAX_GB
                                          or DEFAULT_CACHE_MAX_GB)),
             token_buckets=tuple(extra.get("token_buckets", ())),
@@ -137,6 +153,12 @@ class NeuronConfig:
             **({"max_attention_scratch_gb": float(extra["max_attention_scratch_gb"])}
                if "max_attention_scratch_gb" in extra else {}),
         )
+
+
+def _device_default_mode() -> str:
+    from neuron_serve import device
+
+    return device.current().default_compile_mode
 
 
 def _gathered_blocks(bucket: bk.Bucket) -> int:

@@ -75,8 +75,9 @@ _PARSERS: dict[str, Callable[[], Any]] = {
     # Size cap of the compiled-graph cache in GB (least recently used entries go first).
     "NEURON_SERVE_CACHE_MAX_GB": _positive_float("NEURON_SERVE_CACHE_MAX_GB"),
     # ahead | background | eager (see neuron_serve.config); `neuron.compile_mode` wins.
-    "NEURON_SERVE_COMPILE_MODE": _choice("NEURON_SERVE_COMPILE_MODE", "ahead",
-                                         ("ahead", "background", "eager")),
+    # Unset: the device's default.
+    "NEURON_SERVE_COMPILE_MODE": _choice("NEURON_SERVE_COMPILE_MODE", "",
+                                         ("", "ahead", "background", "eager")),
     # Where the emulated backend's C++ kernels are built, once per source and torch version.
     "NEURON_SERVE_KERNEL_DIR": _under_cache_home("NEURON_SERVE_KERNEL_DIR", "kernels"),
     # Where POST /admin/profile/stop writes traces and per-operator Parquet files;

@@ -31,7 +31,8 @@ class GraphStats:
                                   "Tokens run through the model including bucket padding")
     bucket_steps: Counter = field(default_factory=Counter)  # str(bucket) -> steps run
     # Filled in by the worker when it reports:
-    num_graphs: int = 0  # buckets with a graph ready
+    num_graphs: int = 0  # graphs ready
+    graphs_needed: int = 0  # graphs the grid needs (buckets may share one)
     num_buckets: int = 0  # buckets in the grid
     compile_mode: str = ""
     compiles_after_warmup: int = 0  # graphs compiled while serving; should stay 0

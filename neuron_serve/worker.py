@@ -6,7 +6,12 @@ initialize_from_config → compile_or_warm_up_model → execute_model / sample_t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import signal
+import threading
+from collections.abc import Iterator
 
 import torch
 from vllm.config import VllmConfig, set_current_vllm_config
@@ -81,7 +86,8 @@ class NeuronWorker(WorkerBase):
         self.model_runner.initialize_kv_cache(kv_cache_config)
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
-        seconds = self.model_runner.warm_up()
+        with _stoppable():
+            seconds = self.model_runner.warm_up()
         set_random_seed(self.model_config.seed)
         return CompilationTimes(language_model=seconds, encoder=0.0)
 
@@ -112,7 +118,8 @@ class NeuronWorker(WorkerBase):
         runner = self.model_runner
         return dataclasses.replace(
             runner.graphs.stats, num_graphs=len(runner.graphs.graphs),
-            num_buckets=len(runner.config.grid), compile_mode=runner.config.compile_mode,
+            graphs_needed=len(runner.graphs.traced_on), num_buckets=len(runner.config.grid),
+            compile_mode=runner.config.compile_mode,
             compiles_after_warmup=runner.compiles_after_warmup).as_dict()
 
     def start_step_profile(self, directory: str) -> None:
@@ -138,3 +145,39 @@ class NeuronWorker(WorkerBase):
 
     def list_loras(self) -> set[int]:
         return set()
+
+
+@contextlib.contextmanager
+def _stoppable() -> Iterator[None]:
+    """SIGTERM and SIGINT end the process during warm-up, as does the loss of its parent.
+    vLLM's engine core only records a signal that arrives while it is being built and acts
+    on it once built, which in compile mode `ahead` comes after every graph is compiled:
+    minutes. Whatever the handler interrupts is safe to drop: cache writes are atomic."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def stop(signum, frame) -> None:
+        chained = previous[signum]
+        if callable(chained):
+            chained(signum, frame)  # vLLM's: records the shutdown
+        raise SystemExit(f"neuron-serve: {signal.Signals(signum).name} during warm-up")
+
+    parent, done = os.getppid(), threading.Event()
+
+    def watch_parent() -> None:
+        while not done.wait(0.5):
+            if os.getppid() != parent:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    for sig in previous:
+        signal.signal(sig, stop)
+    threading.Thread(target=watch_parent, daemon=True, name="warm-up-parent-watch").start()
+    try:
+        yield
+    finally:
+        done.set()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

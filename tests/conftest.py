@@ -21,6 +21,9 @@ from neuron_serve.models.tiny import FAMILIES, write_checkpoint
 
 # Every vLLM engine this test session starts, in-process or in a child, runs on our platform.
 os.environ["NEURON_SERVE_DEVICE"] = "neuron"
+# Engines that compile have every graph before their first request: they test compiled
+# numerics. The device's default (background on the emulated device) is tested on its own.
+os.environ["NEURON_SERVE_COMPILE_MODE"] = "ahead"
 REPO = Path(__file__).resolve().parent.parent
 # Scripts under tools/ (the demo's training data pipeline) are imported by tests as modules.
 sys.path.insert(0, str(REPO / "tools"))

@@ -21,13 +21,14 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> None:
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    args.compile_mode = "ahead"
+    args.compile_mode, args.require_precompiled = "ahead", False
     engine = LLMEngine.from_engine_args(engine_args(args))
     try:
         stats = engine.collective_rpc("graph_stats")
     finally:
         engine.engine_core.shutdown()
     for rank, s in enumerate(map(GraphStats.from_dict, stats)):
-        print(f"rank {rank}: {s.num_graphs}/{s.num_buckets} graphs ready: "
+        print(f"rank {rank}: {s.num_graphs}/{s.graphs_needed} graphs ready for "
+              f"{s.num_buckets} buckets: "
               f"{s.cache_hits} loaded from the cache, {s.cache_misses} compiled "
               f"({s.compile_seconds:.1f} s)")

@@ -28,8 +28,15 @@ def add_engine_parser(subparsers, name: str, **kwargs) -> argparse.ArgumentParse
         group.add_argument(f"--{axis}-buckets", type=int_list, default=None, metavar="N,N,...",
                            help=f"{axis} buckets (sorted, comma-separated)")
     group.add_argument("--compile-mode", choices=COMPILE_MODES, default=None,
-                       help="ahead (default): all graphs before ready; background: ready at "
-                            "once, eager until each graph is compiled; eager: never compile")
+                       help="ahead: all graphs compiled or loaded before ready; background: "
+                            "ready at once, eager until each graph is compiled; eager: never "
+                            "compile. Default: the device's, background on the emulated "
+                            "device, ahead (from a cache filled by `neuron-serve compile`) on "
+                            "Trainium")
+    group.add_argument("--require-precompiled", action="store_true", default=None,
+                       help="refuse to start unless the graph cache holds every graph, naming "
+                            "the missing ones and the `neuron-serve compile` command that "
+                            "fills them (fleets: compile once, start fast everywhere)")
     group.add_argument("--graph-cache-dir", default=None,
                        help="compiled-graph cache directory, 'off' to disable "
                             "(default: $NEURON_SERVE_CACHE_DIR or ~/.cache/neuron-serve/graphs)")
@@ -51,7 +58,8 @@ def int_list(text: str) -> list[int]:
 
 _NEURON_FLAGS = {"token_buckets": "token_buckets", "request_buckets": "request_buckets",
                  "block_buckets": "block_buckets", "compile_mode": "compile_mode",
-                 "graph_cache_dir": "cache_dir", "graph_cache_max_gb": "cache_max_gb"}
+                 "graph_cache_dir": "cache_dir", "graph_cache_max_gb": "cache_max_gb",
+                 "require_precompiled": "require_precompiled"}
 
 
 def merge_neuron_flags(args: argparse.Namespace) -> None:

@@ -27,6 +27,15 @@ class Device:
     native_bf16: bool
     attention_kernel: str = "reference"  # a kernel set in neuron_serve.attention.kernels
     regional_compile: bool = False  # compile a stack of identical layers once per graph
+    # The compile mode when the user names none (neuron_serve.config): "ahead" waits for
+    # every graph before answering, as a device whose graphs take minutes each and ship
+    # precompiled (`neuron-serve compile`) must.
+    default_compile_mode: str = "ahead"
+    # Whether a graph keeps the context dimensions (block-table width, KV-cache blocks)
+    # symbolic: then one graph serves every block bucket of its (tokens, requests) shape
+    # and any KV-cache size. A static-shape compiler needs them concrete: one graph per
+    # block bucket, keyed by the KV-cache size.
+    symbolic_context: bool = False
 
     def compute_dtype(self, requested: torch.dtype) -> torch.dtype:
         """The dtype to compute in: the requested one, except half precision where the

@@ -14,6 +14,11 @@ from neuron_serve.device.base import Device
 
 
 class NeuronDevice(Device):
+    """Compile mode "ahead" (the base default): a Neuron graph takes minutes to compile and
+    eager execution is no serving path, so a Trainium server loads every graph from a cache
+    filled beforehand by `neuron-serve compile` (a Job, a build host; deploy/README.md) and
+    answers only once all are ready. Shapes are fully static (`symbolic_context` off)."""
+
     backend = "neuron"
 
     def __init__(self) -> None:

@@ -1,8 +1,9 @@
 """The key of a compiled graph: everything that shapes it, nothing that does not.
 
 In: the model's architecture (its Hugging Face config without name or path), compute and
-KV-cache dtypes, vLLM's model implementation, the bucket, the KV-cache shape (blocks ×
-block size: the cache is a graph input of static shape), the tensor-parallel rank and
+KV-cache dtypes, vLLM's model implementation, the bucket (block-table width 0 for a graph
+that serves any), the KV-cache shape (blocks × block size; the block count only where the
+device traces it as a static size), the tensor-parallel rank and
 size, the compile backend and its options (for the emulated backend: torch threads and
 the CPU vector ISA, both baked into the generated kernels), and the torch / vllm /
 neuron-serve versions plus a digest of the neuron-serve sources that define the step.
@@ -51,7 +52,8 @@ def architecture(vllm_config) -> dict:
     return {k: v for k, v in sorted(hf.items()) if k not in _NOT_SHAPING}
 
 
-def graph_key(vllm_config, bucket: Bucket, num_blocks: int, compile_options: dict) -> GraphKey:
+def graph_key(vllm_config, bucket: Bucket, num_blocks: int | None,
+              compile_options: dict) -> GraphKey:
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     return GraphKey({

@@ -7,7 +7,8 @@
     <root>/inductor/            the emulated backend's build cache (compiled kernels)
 
 Every write is temp file + rename, so a crash leaves the old state or the new one, never
-half of either. A graph whose checksum, size or versions disagree with the manifest is
+half of either; a killed writer's temp file (named with its pid) is removed by the next
+process that opens the cache. A graph whose checksum, size or versions disagree with the manifest is
 evicted with a warning and reported as a miss: the caller recompiles it.
 """
 
@@ -56,7 +57,7 @@ def _now() -> str:
 
 def _atomic_write(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -69,6 +70,18 @@ def _atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
+def _remove_orphaned_temp_files(directory: Path) -> None:
+    """Temp files of `_atomic_write` whose writer process is gone."""
+    for tmp in directory.glob(".*.tmp"):
+        try:
+            pid = int(tmp.name.rsplit(".", 3)[-3])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+        except (ValueError, IndexError, PermissionError):
+            pass  # not ours, or a live process of another user
+
+
 def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
 
@@ -79,6 +92,8 @@ class GraphCache:
         self.max_bytes = max_bytes
         for sub in ("graphs", "locks", "inductor"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
+        for directory in (self.root, self.root / "graphs"):
+            _remove_orphaned_temp_files(directory)
 
     @property
     def inductor_dir(self) -> Path:
@@ -150,6 +165,12 @@ class GraphCache:
 
     def problem(self, digest: str, entry: dict | None) -> str | None:
         return self._read(digest, entry)[1]
+
+    def has(self, key: GraphKey) -> bool:
+        """Whether the manifest lists a graph for `key` built by these versions (its bytes
+        are checked when it is loaded)."""
+        entry = self.entries().get(key.digest)
+        return entry is not None and entry.get("versions") == key.fields.get("versions")
 
     def load(self, key: GraphKey) -> bytes | None:
         """The graph's bytes if a valid entry exists; an invalid one is evicted (warning).

@@ -1,9 +1,9 @@
-"""The child process of compile mode `background` (background.py starts it): builds the
-serving runner's twin on dummy weights and an uncommitted KV cache, and compiles the
-buckets it is given into the shared graph cache, at the lowest CPU priority, until done or
-its parent is gone.
+"""A child process of compile mode `background` (background.py starts one per core):
+builds the serving runner's twin on dummy weights and an uncommitted KV cache, and
+compiles the graphs it is given into the shared graph cache, at the lowest CPU priority,
+until every one is stored (by it or a sibling) or its parent is gone.
 
-    python -m neuron_serve.model_runner.compile_job JOB.pkl
+    python -m neuron_serve.model_runner.compile_job INDEX  < pickled job
 """
 
 from __future__ import annotations
@@ -51,12 +51,12 @@ def _lowest_priority() -> None:
         os.nice(19)
 
 
-def main(job: str) -> None:
+def main(index: int) -> None:
     _exit_with_parent()
     _lowest_priority()
-    with open(job, "rb") as f:
-        vllm_config, kv_cache_config, buckets, threads = pickle.load(f)
-    os.unlink(job)
+    vllm_config, kv_cache_config, graphs, threads = pickle.load(sys.stdin.buffer)
+    # Siblings start on different graphs instead of queueing on the first one's lock.
+    graphs = graphs[index:] + graphs[:index]
     torch.set_num_threads(threads)  # part of every graph's key
     vllm_config.load_config.load_format = "dummy"
     dev = device.current()
@@ -67,8 +67,8 @@ def main(job: str) -> None:
         runner = NeuronModelRunner(vllm_config, dev.torch_device)
         runner.load_model()
         runner.initialize_kv_cache(kv_cache_config, lazy=True)
-        runner.graphs.warm_up(buckets=buckets, progress=log_progress)
+        runner.graphs.warm_up(graphs=graphs, progress=log_progress, load=False)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(int(sys.argv[1]))

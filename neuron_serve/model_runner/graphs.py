@@ -6,6 +6,10 @@ persistent vLLM forward context. Nothing is traced on the hot path: `run` calls 
 bucket's graph, or runs the step eagerly while the bucket has none (compile mode
 `background`, or `eager`). Graphs are stored in, and loaded from, the persistent
 compiled-graph cache (neuron_serve.graph_cache).
+
+Where the device keeps the context dimensions symbolic (Device.symbolic_context), the
+buckets that differ only in block-table width share one graph, traced on the widest of
+them with that width and the KV cache's block count left symbolic.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import io
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 from vllm.forward_context import create_forward_context, override_forward_context
@@ -28,6 +32,9 @@ from neuron_serve.stats import GraphStats
 
 logger = init_logger(__name__)
 
+_DYNAMO_MARKS = ("_dynamo_dynamic_indices", "_dynamo_dynamic_range", "_dynamo_hint_overrides",
+                 "_specialize_on", "_has_dynamo_dim_marking")  # torch._dynamo.mark_dynamic's
+
 
 def step(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
          logits_indices: torch.Tensor) -> torch.Tensor:
@@ -40,7 +47,8 @@ def step(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tenso
 class StepGraphs:
     def __init__(self, model: torch.nn.Module, vllm_config, grid: list[Bucket], device: Device,
                  compile: bool, cache: GraphCache | None = None,
-                 key_of: Callable[[Bucket], GraphKey] | None = None):
+                 key_of: Callable[[Bucket], GraphKey] | None = None,
+                 kv_caches: Sequence[torch.Tensor] = ()):
         self.model, self.vllm_config, self.device = model, vllm_config, device
         self.compile_backend = device.compile_backend if compile else None
         self.cache, self.key_of = cache, key_of
@@ -48,7 +56,14 @@ class StepGraphs:
         # One metadata object for all layers, not one per layer name (attention/layer.py).
         self._contexts = {b: create_forward_context(buf.attn_metadata, vllm_config)
                           for b, buf in self.buffers.items()}
-        self.graphs: dict[Bucket, Callable] = {}
+        # bucket → the graph it runs (its id: the bucket, or any width), graph → bucket it
+        # is traced on (the widest: no symbolic dimension may be traced at size 1).
+        self.graph_of = {b: b.any_width() if device.symbolic_context else b for b in grid}
+        self.traced_on: dict[Bucket, Bucket] = {}
+        for bucket in sorted(grid, key=lambda b: b.num_blocks):
+            self.traced_on[self.graph_of[bucket]] = bucket
+        self.kv_caches = list(kv_caches)
+        self.graphs: dict[Bucket, Callable] = {}  # graph id → compiled graph
         self.stats = GraphStats()
         self.num_compiles = 0
         self._warm_compiles: int | None = None
@@ -58,7 +73,7 @@ class StepGraphs:
     def run(self, bucket: Bucket, num_real_tokens: int) -> torch.Tensor:
         """Logits [bucket.num_reqs, vocab] for the inputs already in the bucket's buffers."""
         buf = self.buffers[bucket]
-        fn = self.graphs.get(bucket)
+        fn = self.graphs.get(self.graph_of[bucket])
         self.stats.real_tokens += num_real_tokens
         self.stats.padded_tokens += bucket.num_tokens
         self.stats.bucket_steps[str(bucket)] += 1
@@ -71,108 +86,136 @@ class StepGraphs:
     # ---- compiling and loading -------------------------------------------------------
 
     def warm_up(self, compile_missing: bool = True, progress: Callable | None = None,
-                buckets: Iterable[Bucket] | None = None) -> float:
-        """Give every bucket a graph: load it from the cache, else compile (and store) it
-        if `compile_missing`. Under the cache's per-graph lock: processes sharing a cache
-        directory compile each graph once and load the others' work. Returns seconds."""
+                graphs: Iterable[Bucket] | None = None, load: bool = True) -> float:
+        """Give every graph id (default: all) its graph: load it from the cache, else
+        compile (and store) it if `compile_missing`. Under the cache's per-graph lock:
+        processes sharing a cache directory compile each graph once and load the others'
+        work. `load=False` (a compile-only process) leaves cached graphs in the cache.
+        Returns seconds."""
         start = time.monotonic()
-        pending = [b for b in (buckets or self.buffers) if b not in self.graphs]
+        pending = [b for b in (graphs or self.traced_on) if b not in self.graphs]
         total = len(pending)
 
-        def attempt(bucket: Bucket, blocking: bool) -> bool:
-            with self._graph_lock(bucket, blocking) as got:
+        def attempt(graph: Bucket, blocking: bool) -> bool:
+            with self._graph_lock(graph, blocking) as got:
                 if not got:
                     return False
-                how = self._load_or_compile(bucket, compile_missing)
-            pending.remove(bucket)
+                how = self._load_or_compile(graph, compile_missing, load)
+            pending.remove(graph)
             if progress and how != "missing":
-                progress(total - len(pending), total, bucket, how, time.monotonic() - start)
+                progress(total - len(pending), total, graph, how, time.monotonic() - start)
             return True
 
         while pending:
             # Skip graphs another process is compiling; wait only when nothing else is left.
             progressed = False
-            for bucket in list(pending):
-                progressed |= attempt(bucket, blocking=False)
+            for graph in list(pending):
+                progressed |= attempt(graph, blocking=False)
             if not progressed:
                 attempt(pending[0], blocking=True)
         self._warm_compiles = self.num_compiles
         return time.monotonic() - start
 
-    def _graph_lock(self, bucket: Bucket, blocking: bool):
+    def _graph_lock(self, graph: Bucket, blocking: bool):
         if self.cache is None:
             return contextlib.nullcontext(True)
-        return self.cache.lock(self.key_of(bucket).digest, blocking=blocking)
+        return self.cache.lock(self.key_of(graph).digest, blocking=blocking)
 
-    def _load_or_compile(self, bucket: Bucket, compile_missing: bool) -> str:
-        key = self.key_of(bucket) if self.cache is not None else None
-        if key is not None and self.try_load(bucket, key):
+    def _load_or_compile(self, graph: Bucket, compile_missing: bool, load: bool = True) -> str:
+        key = self.key_of(graph) if self.cache is not None else None
+        if key is not None and not load and self.cache.has(key):
+            return "cached"
+        if key is not None and load and self.try_load(graph, key):
             return "loaded"
         if not compile_missing:
             return "missing"
         t0 = time.monotonic()
-        fn = self._compile(bucket)
+        fn = self._compile(graph)
         seconds = time.monotonic() - t0
         self.stats.cache_misses += 1
         self.stats.compile_seconds += seconds
         if key is not None:
             data = type(fn).serialize(fn).serialized_data
             self.cache.store(key, data, seconds)
-        self.graphs[bucket] = fn
+        self.graphs[graph] = fn
         return f"compiled in {seconds:.1f} s"
 
-    def try_load(self, bucket: Bucket, key: GraphKey | None = None) -> bool:
-        """Load the bucket's graph from the cache and check it runs; a graph that fails to
-        load or run is evicted (warning) and False returned."""
-        key = key or self.key_of(bucket)
+    def try_load(self, graph: Bucket, key: GraphKey | None = None) -> bool:
+        """Load a graph from the cache; one that fails to load is evicted (warning) and
+        False returned. Not run, and its guards not checked: the entry's key holds
+        everything that shapes the graph and its checksum passed, and a serialized graph's
+        guards on the forward context it was traced with fail in any other process."""
+        key = key or self.key_of(graph)
         t0 = time.monotonic()
         data = self.cache.load(key)
         if data is None:
             return False
         try:
-            with self._traced_layers(bucket):
+            with self._traced_layers(graph):
                 fn = torch.compiler.load_compiled_function(io.BytesIO(data), f_globals=step.__globals__)
-                self._smoke_run(bucket, fn)
         except Exception as e:  # noqa: BLE001 - any unusable entry is rebuilt, never fatal
             self.cache.evict(key.digest, f"cannot load: {type(e).__name__}: {e}")
             return False
-        self.graphs[bucket] = fn
+        fn.disable_guard_check()
+        self.graphs[graph] = fn
         self.stats.cache_hits += 1
         self.stats.load_seconds += time.monotonic() - t0
         return True
 
-    def _compile(self, bucket: Bucket) -> Callable:
-        options = self.device.graph_options(bucket.is_decode)
-        with self._traced_layers(bucket):
+    def _compile(self, graph: Bucket) -> Callable:
+        options = self.device.graph_options(graph.is_decode)
+        with self._traced_layers(graph), self._context_symbolic(graph):
             try:
-                fn = self._aot_compile(bucket, options)
+                fn = self._aot_compile(graph, options)
             except Exception as error:  # the plain build below still serves
                 if not options:
                     raise
                 logger.warning("graph %s: compiling with %s failed (%s: %s); compiling it "
-                               "without them", bucket, options, type(error).__name__, error)
-                fn = self._aot_compile(bucket, None)
+                               "without them", graph, options, type(error).__name__, error)
+                fn = self._aot_compile(graph, None)
             self.num_compiles += 1
-            self._smoke_run(bucket, fn)
+            self._smoke_run(graph, fn)
         return fn
 
-    def _aot_compile(self, bucket: Bucket, options: dict | None) -> Callable:
-        self.buffers[bucket].fill({})  # padding only: writes reach the null block alone
+    def _aot_compile(self, graph: Bucket, options: dict | None) -> Callable:
+        buf = self.buffers[self.traced_on[graph]]
+        buf.fill({})  # padding only: writes reach the null block alone
         compiled = torch.compile(step, backend=self.compile_backend, fullgraph=True,
                                  dynamic=False, options=options)
-        buf = self.buffers[bucket]
-        with torch.no_grad(), override_forward_context(self._contexts[bucket]):
+        with torch.no_grad(), override_forward_context(self._contexts[buf.bucket]):
             return compiled.aot_compile(
                 ((self.model, buf.input_ids, buf.positions, buf.logits_indices), {}))
 
-    def _traced_layers(self, bucket: Bucket) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def _context_symbolic(self, graph: Bucket) -> Iterator[None]:
+        """While a graph is traced and first run: the KV cache's block count and the
+        block-table width are symbolic sizes (Device.symbolic_context). The marks go
+        afterwards: a serialized graph's guards expect tensors without them."""
+        block_table = self.buffers[self.traced_on[graph]].block_table
+        marks = [(kv_cache, 0) for kv_cache in self.kv_caches]
+        if block_table.shape[1] > 1:  # dynamo specializes sizes 0 and 1
+            marks.append((block_table, 1))
+        if not self.device.symbolic_context:
+            marks = []
+        for tensor, dim in marks:
+            torch._dynamo.mark_dynamic(tensor, dim)
+        try:
+            yield
+        finally:
+            for tensor, _ in marks:
+                for attr in _DYNAMO_MARKS:
+                    if hasattr(tensor, attr):
+                        delattr(tensor, attr)
+
+    def _traced_layers(self, graph: Bucket) -> contextlib.AbstractContextManager:
         """A graph whose device compiles it without regions (Device.inline_layers) is
         traced, loaded and checked with every layer inlined."""
-        if self.device.inline_layers(bucket.is_decode):
+        if self.device.inline_layers(graph.is_decode):
             return compile_regions.layers_inlined(self.model)
         return contextlib.nullcontext()
 
-    def _smoke_run(self, bucket: Bucket, fn: Callable) -> None:
+    def _smoke_run(self, graph: Bucket, fn: Callable) -> None:
+        bucket = self.traced_on[graph]
         buf = self.buffers[bucket]
         buf.fill({})
         with torch.no_grad(), override_forward_context(self._contexts[bucket]):
@@ -185,9 +228,13 @@ class StepGraphs:
         # measurements").
         fn.disable_guard_check()
 
-    def load_ready(self, buckets: Iterable[Bucket]) -> list[Bucket]:
-        """Load whichever of `buckets` the cache now has (background compilation)."""
-        return [b for b in buckets if b not in self.graphs and self.try_load(b)]
+    def load_ready(self, graphs: Iterable[Bucket]) -> list[Bucket]:
+        """Load whichever of `graphs` the cache now has (background compilation)."""
+        return [g for g in graphs if g not in self.graphs and self.try_load(g)]
+
+    def missing(self) -> list[Bucket]:
+        """Graph ids without a graph yet."""
+        return [g for g in self.traced_on if g not in self.graphs]
 
     @property
     def compiles_after_warmup(self) -> int:

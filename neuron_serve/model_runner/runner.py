@@ -7,6 +7,8 @@ sample with vLLM's Sampler → record the new tokens.
 
 from __future__ import annotations
 
+import shlex
+
 import numpy as np
 import torch
 from vllm.config import VllmConfig
@@ -114,28 +116,58 @@ class NeuronModelRunner:
             # The compiler's own builds live in the cache too: pruned and exported with it.
             dev.use_compiler_cache(cache.inductor_dir)
             options = dev.compile_options()
+            kv_blocks = None if dev.symbolic_context else num_blocks
 
-            def key_of(bucket):
-                return graph_key(self.vllm_config, bucket, num_blocks, options)
+            def key_of(graph):
+                return graph_key(self.vllm_config, graph, kv_blocks, options)
         return StepGraphs(self.model, self.vllm_config, list(cfg.grid), dev, cfg.compile,
-                          cache, key_of)
+                          cache, key_of, self.kv_caches)
 
     def warm_up(self, progress=log_progress) -> float:
         """Give buckets their graphs per the compile mode; seconds spent."""
         mode = self.config.compile_mode
         if mode == "eager":
             return 0.0
-        seconds = self.graphs.warm_up(compile_missing=mode == "ahead", progress=progress)
-        missing = [b for b in self.config.grid if b not in self.graphs.graphs]
+        strict = self.config.require_precompiled
+        seconds = self.graphs.warm_up(compile_missing=mode == "ahead" and not strict,
+                                      progress=progress)
+        missing = self.graphs.missing()
+        if missing and strict:
+            raise RuntimeError(
+                f"neuron.require_precompiled: the graph cache {self.config.cache_dir} lacks "
+                f"{len(missing)} of the {len(self.graphs.traced_on)} graphs these settings need "
+                f"({', '.join(map(str, missing))}). Fill it on a host of this kind (the "
+                f"{device_mod.current().backend} backend's graphs depend on it) with the "
+                f"server's flags:\n    {self._precompile_command()}")
         if missing:
             self.background = background.BackgroundCompile.start(
                 self.vllm_config, self.kv_cache_config, missing)
         stats = self.graphs.stats
-        logger.info("%d of %d bucket graphs ready in %.1f s (%d loaded from %s, %d compiled)%s",
-                    len(self.graphs.graphs), len(self.config.grid), seconds, stats.cache_hits,
-                    self.config.cache_dir, stats.cache_misses,
+        logger.info("%d of %d graphs ready for %d buckets in %.1f s (%d loaded from %s, %d "
+                    "compiled)%s", len(self.graphs.graphs), len(self.graphs.traced_on),
+                    len(self.config.grid), seconds, stats.cache_hits, self.config.cache_dir,
+                    stats.cache_misses,
                     f"; compiling {len(missing)} in the background" if missing else "")
         return seconds
+
+    def _precompile_command(self) -> str:
+        """The `neuron-serve compile` command that stores every graph this runner needs."""
+        cfg, model = self.config, self.model_config
+        cache = self.vllm_config.cache_config
+        args = ["neuron-serve", "compile", model.model, "--max-model-len", model.max_model_len,
+                "--max-num-seqs", cfg.max_num_seqs,
+                "--max-num-batched-tokens", cfg.max_num_batched_tokens,
+                "--block-size", cfg.block_size, "--dtype", str(model.dtype).removeprefix("torch."),
+                *(a for name in ("token", "request", "block") for a in (
+                    f"--{name}-buckets", ",".join(map(str, getattr(cfg, f"{name}_buckets"))))),
+                "--graph-cache-dir", cfg.cache_dir]
+        if cache.cache_dtype != "auto":
+            args += ["--kv-cache-dtype", cache.cache_dtype]
+        if self.vllm_config.parallel_config.tensor_parallel_size > 1:
+            args += ["--tensor-parallel-size", self.vllm_config.parallel_config.tensor_parallel_size]
+        if not device_mod.current().symbolic_context:  # the KV size is part of every key
+            args += ["--num-gpu-blocks-override", self.kv_cache_config.num_blocks]
+        return shlex.join(map(str, args))
 
     # ---- per step --------------------------------------------------------------------
 

@@ -33,6 +33,9 @@ class _Snapshot:
         yield waste
         yield GaugeMetricFamily("neuron_serve:graphs_ready", "Bucket graphs ready to run",
                                 value=sum(s.num_graphs for s in self.stats))
+        yield GaugeMetricFamily("neuron_serve:graphs_needed",
+                                "Graphs the bucket grid needs (buckets may share one)",
+                                value=sum(s.graphs_needed for s in self.stats))
         yield GaugeMetricFamily("neuron_serve:buckets", "Buckets in the grid",
                                 value=sum(s.num_buckets for s in self.stats))
         usage = CounterMetricFamily("neuron_serve:bucket_steps", "Steps run per bucket",

@@ -77,10 +77,43 @@ def test_select_explains_a_step_no_bucket_holds():
     (dict(compile_mode="later"), "compile_mode='later' is not valid; use one of"),
     (dict(compile_mode="background", cache_dir=None), "background.*cache.*is off: set neuron.cache_dir"),
     (dict(cache_max_gb=0), "cache_max_gb must be positive"),
+    (dict(require_precompiled=True, compile_mode="background", cache_dir="/tmp/g"),
+     "require_precompiled .* needs the cache .* and compile_mode 'ahead', not 'background'"),
+    (dict(require_precompiled=True, cache_dir=None), "require_precompiled .* needs the cache"),
 ])
 def test_bad_bucket_settings_name_the_limit(kw, message):
     with pytest.raises(ValueError, match=message):
         make(**kw)
+
+
+def vllm_config(neuron: dict, enforce_eager: bool = False):
+    from types import SimpleNamespace as NS
+
+    return NS(additional_config={"neuron": neuron},
+              model_config=NS(enforce_eager=enforce_eager, max_model_len=1024),
+              scheduler_config=NS(max_num_seqs=16, max_num_batched_tokens=256),
+              cache_config=NS(block_size=32))
+
+
+@pytest.mark.parametrize("neuron,env,eager,expected", [
+    ({}, "", False, "background"),  # the emulated device's default
+    ({"cache_dir": "off"}, "", False, "ahead"),  # background hands graphs over in the cache
+    ({"require_precompiled": True}, "", False, "ahead"),
+    ({}, "eager", False, "eager"),
+    ({"compile_mode": "ahead"}, "eager", False, "ahead"),  # the config key wins
+    ({"compile_mode": "ahead"}, "", True, "eager"),  # --enforce-eager wins
+])
+def test_compile_mode_defaults_to_the_devices(neuron, env, eager, expected):
+    from neuron_serve import device, envs
+
+    assert device.current().default_compile_mode == "background"
+    with envs.override(NEURON_SERVE_COMPILE_MODE=env, NEURON_SERVE_CACHE_DIR="/tmp/g"):
+        assert NeuronConfig.from_vllm_config(vllm_config(neuron, eager)).compile_mode == expected
+
+
+def test_require_precompiled_must_be_a_bool():
+    with pytest.raises(ValueError, match="require_precompiled must be true or false, got 'yes'"):
+        NeuronConfig.from_vllm_config(vllm_config({"require_precompiled": "yes"}))
 
 
 def test_attention_scratch_cap_names_the_bucket():
@@ -95,12 +128,12 @@ def test_bucket_flags_of_our_server_land_in_the_neuron_section():
 
     args = build_parser().parse_args([
         "serve", "--token-buckets", "64,256", "--compile-mode", "background",
-        "--graph-cache-dir", "/tmp/g", "--additional-config",
+        "--graph-cache-dir", "/tmp/g", "--require-precompiled", "--additional-config",
         '{"neuron": {"block_buckets": [8, 32], "token_buckets": [16]}, "other": 1}'])
     merge_neuron_flags(args)
     assert args.additional_config == {"other": 1, "neuron": {
         "block_buckets": [8, 32], "token_buckets": [64, 256], "compile_mode": "background",
-        "cache_dir": "/tmp/g"}}
+        "cache_dir": "/tmp/g", "require_precompiled": True}}
 
 
 def test_a_bad_bucket_flag_is_refused_by_the_parser(capsys):

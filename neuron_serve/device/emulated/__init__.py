@@ -42,6 +42,13 @@ kernels.register("cpu", attention.kernel_set)
 class EmulatedDevice(Device):
     backend = "emulated"
     regional_compile = True
+    # Serve at once: an eager step on the CPU is only a few times slower than a compiled
+    # one, so the first answer need not wait for minutes of compiling (model_runner/
+    # background.py compiles meanwhile).
+    default_compile_mode = "background"
+    # Inductor compiles symbolic sizes into the same loops: fewer graphs to build, and a
+    # graph that does not depend on the host's memory (the KV-cache size).
+    symbolic_context = True
 
     def __init__(self) -> None:
         self.torch_device = torch.device("cpu")

@@ -6,6 +6,7 @@ is made here, once per process, and logged once at INFO with what it changes and
 * `torch.accelerator.{empty_cache, empty_host_cache, synchronize}`: no-ops (vLLM calls
   them, and they raise when torch sees no accelerator; a CPU has nothing to flush).
 * inductor's CPU vectorizer stride query: answered by inductor_strides.py first.
+* inductor's vector ISA check (`cpp.vec_isa_ok`): the CPU's flags are trusted.
 * `TORCHINDUCTOR_CACHE_DIR`: inside the compiled-graph cache, so that the kernels a graph
   was built from are cached, pruned and exported with it.
 * `torch.zeros`, for vLLM's one KV-cache allocation only: kv_memory.py's huge pages.
@@ -20,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from torch._inductor import config as inductor_config
 from torch._inductor.codegen import cpp as cpp_codegen
 
 from neuron_serve.device.emulated import inductor_strides, kv_memory
@@ -54,6 +56,10 @@ def worker_process() -> None:
     cpp_codegen.stride_at_vec_range = inductor_strides.stride_at_vec_range
     _log_once("inductor's stride_at_vec_range answers affine indices without sympy.simplify",
               "same kernels, less compile time")
+    inductor_config.cpp.vec_isa_ok = True
+    _log_once("inductor trusts the CPU's flags for its vector ISA (cpp.vec_isa_ok)",
+              "else every compiling process builds and dlopen-probes a test program per ISA: "
+              "seconds before its first graph")
 
 
 def inductor_cache(directory: Path) -> None:
