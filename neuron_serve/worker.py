@@ -83,7 +83,8 @@ class NeuronWorker(WorkerBase):
 
     def initialize_from_config(self, kv_cache_config) -> None:
         self.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
-        self.model_runner.initialize_kv_cache(kv_cache_config)
+        runner = self.model_runner
+        runner.initialize_kv_cache(kv_cache_config, lazy=runner.config.compile_only)
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         with _stoppable():

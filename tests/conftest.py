@@ -128,12 +128,13 @@ def free_port() -> int:
 class RunningServer:
     """A server process started from a command line, reachable at `base_url`."""
 
-    def __init__(self, cmd: list[str], port: int, log_path: Path, cwd: Path = REPO):
+    def __init__(self, cmd: list[str], port: int, log_path: Path, cwd: Path = REPO,
+                 env: dict[str, str] | None = None):
         self.port, self.log_path = port, log_path
         self.base_url = f"http://127.0.0.1:{port}"
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(cmd, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, env=env)
 
     def wait_healthy(self, timeout: float = SERVER_START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
