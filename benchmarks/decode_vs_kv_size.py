@@ -20,7 +20,8 @@ from neuron_serve.models import DEMO_MODEL_DIR
 if __name__ == "__main__":
     llm = LLM(model=str(DEMO_MODEL_DIR), dtype="float32", max_num_seqs=4, max_num_batched_tokens=64,
               kv_cache_memory_bytes=int(sys.argv[1]) << 20, seed=0, additional_config={"neuron": {
-                  "token_buckets": [64], "request_buckets": [1, 4], "block_buckets": [32]}})
+                  "token_buckets": [64], "request_buckets": [1, 4], "block_buckets": [32],
+                  "compile_mode": "ahead"}})
     params = SamplingParams(max_tokens=128, min_tokens=128, temperature=0)
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)  # first run
     t0 = time.monotonic()

@@ -36,7 +36,7 @@ class Server:
         self.system, self.port = system, _free_port()
         env = dict(os.environ)
         if system == "neuron":
-            cmd = [str(VENV_BIN / "neuron-serve"), "serve", str(model)]
+            cmd = [str(VENV_BIN / "neuron-serve"), "serve", str(model), "--compile-mode", "ahead"]
             if neuron_config:
                 cmd += ["--additional-config", json.dumps({"neuron": json.loads(neuron_config)})]
         else:

@@ -44,8 +44,10 @@ def vllm_engine(system: str, args: argparse.Namespace) -> Generate:
         os.environ["VLLM_TARGET_DEVICE"] = "cpu"
     from vllm import LLM, SamplingParams
 
-    ours = {"additional_config": {"neuron": args.neuron_config}} \
-        if system == "neuron" and args.neuron_config else {}
+    # Every graph before the first measurement: the emulated device's default would start
+    # eager and compile in the background.
+    ours = {"additional_config": {"neuron": {"compile_mode": "ahead", **(args.neuron_config or {})}}} \
+        if system == "neuron" else {}
     llm = LLM(model=args.model, dtype="float32", seed=0, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30), enable_prefix_caching=False,
