@@ -130,7 +130,12 @@ class NeuronPlatform(Platform):
         if parser is not None and "--device" not in parser._option_string_actions:
             parser.add_argument("--device", type=_device_choice, default=DEVICE,
                                 help="Hardware to serve on. neuron-serve's platform: 'neuron' "
-                                     "(Trainium, or its CPU emulation without Trainium).")
+                                     "(Trainium, or its CPU emulation without Trainium). Its "
+                                     "compile mode (neuron.compile_mode in --additional-config) "
+                                     "defaults to the device's: background on the emulation "
+                                     "(answers at once, compiles meanwhile), ahead on Trainium "
+                                     "(every graph first, from a cache `neuron-serve compile` "
+                                     "filled).")
 
     @classmethod
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:

@@ -207,3 +207,15 @@ def test_a_bad_trace_line_is_named(tmp_path):
     path.write_text('{"prompt_tokens": 5, "output_tokens": 1}\n{"prompt": 5}\n')
     with pytest.raises(ValueError, match="bad.jsonl:2: expected"):
         read_trace(path)
+
+
+def test_trn2_servers_require_precompiled_graphs_their_job_compiles():
+    from pathlib import Path
+
+    from neuron_serve.cli import build_parser
+    from neuron_serve.cli.engine import merge_neuron_flags
+
+    config = Path(__file__).resolve().parents[2] / "deploy" / "overlays" / "trn2" / "engine.yaml"
+    args = build_parser().parse_args(["serve", "--config", str(config)])
+    merge_neuron_flags(args)
+    assert args.additional_config["neuron"]["require_precompiled"] is True
