@@ -131,3 +131,34 @@ def test_the_key_covers_what_shapes_a_graph_and_nothing_else():
                   graph_key(fake_vllm_config(), Bucket(64, 4, 16), 256, options),
                   graph_key(fake_vllm_config(), Bucket(64, 4, 16), 128, {**options, "threads": 1})):
         assert other.digest != base
+
+
+def test_a_graph_of_any_width_has_no_kv_block_count_in_its_key():
+    options = {"backend": "inductor", "threads": 2, "isa": "AVX512"}
+    shared = graph_key(fake_vllm_config(), Bucket(64, 4, 16).any_width(), None, options)
+    assert shared.fields["bucket"] == [64, 4, 0, 0] and shared.fields["kv_cache"][0] is None
+    assert shared.label.endswith("t64-r4-b*")
+    assert shared.digest == graph_key(fake_vllm_config(), Bucket(64, 4, 32).any_width(), None,
+                                      options).digest
+
+
+def test_has_sees_entries_built_by_these_versions_only(cache):
+    cache.store(key(1), b"x", compile_seconds=1.0)
+    assert cache.has(key(1)) and not cache.has(key(2))
+    path = cache.root / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["entries"][key(1).digest]["versions"]["torch"] = "1.0.0"
+    path.write_text(json.dumps(manifest))
+    assert not cache.has(key(1))
+
+
+def test_a_killed_writers_temp_file_goes_when_the_cache_is_next_opened(cache):
+    import os
+
+    dead = next(p for p in range(2**22, 1, -1) if not os.path.exists(f"/proc/{p}"))
+    orphan = cache.root / "graphs" / f".abc.bin.{dead}.x1y2.tmp"
+    live = cache.root / "graphs" / f".def.bin.{os.getpid()}.x1y2.tmp"
+    orphan.write_bytes(b"half")
+    live.write_bytes(b"half")
+    GraphCache(cache.root)
+    assert not orphan.exists() and live.exists()
