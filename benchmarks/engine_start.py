@@ -14,6 +14,7 @@ serve MODEL` on vLLM's CPU backend. Timed from process spawn:
                       graphs are taken over between steps)
     TTFT              streamed requests of 64 prompt tokens, one at a time: while graphs
                       compile (cold), and on an eager server with nothing compiling
+    load s per graph  warm-up seconds ÷ graphs loaded from the cache (the runner's log)
 
 Starts, per round: vLLM CPU; ours cold (empty graph cache); ours warm (the cache the cold
 start filled); ours eager (`--compile-mode eager`, the TTFT reference). Prints a markdown
@@ -43,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 BIN = Path(sys.executable).parent
 PROMPT = list(range(5, 69))
 CAP_S = 1800.0
-WARM_UP_DONE = re.compile(r"(\d+) of (\d+) graphs ready for")
+WARM_UP_DONE = re.compile(r"(\d+) of (\d+) graphs ready for \d+ buckets in ([\d.]+) s \((\d+) loaded")
 ALL_COMPILED = "every graph is compiled: full speed"
 
 
@@ -60,6 +61,7 @@ class Server:
         self.url = f"http://127.0.0.1:{port}"
         self.t0 = time.monotonic()
         self.full_speed: float | None = None
+        self.load_s_per_graph: float | None = None
         self.proc = subprocess.Popen(cmd + ["--port", str(port)], env=env, text=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.tail: list[str] = []
@@ -69,6 +71,8 @@ class Server:
         for line in self.proc.stdout:
             self.tail = (self.tail + [line])[-40:]
             done = WARM_UP_DONE.search(line)
+            if done and int(done[4]):
+                self.load_s_per_graph = float(done[3]) / int(done[4])
             if (done and done[1] == done[2]) or ALL_COMPILED in line:
                 self.full_speed = self.full_speed or time.monotonic() - self.t0
 
@@ -126,6 +130,7 @@ def start(system: str, args, cache: str, ttft: bool = False) -> dict:
                 ttfts.append(server.complete(model_name, stream=True))
                 time.sleep(0.5)
             result["full"] = server.full_speed
+            result["load_s"] = server.load_s_per_graph
         if system == "eager" or (ttft and system == "cold"):
             ttfts += [server.complete(model_name, stream=True) for _ in range(10 - len(ttfts))]
         if ttfts:
@@ -175,14 +180,15 @@ def main() -> None:
     rounds = [one_round(args) for _ in range(args.repeats)]
     print(f"model {args.model}, `{args.server} serve` {args.flags}, {args.repeats} rounds, "
           f"{os.cpu_count()} cores")
-    print("| start | first completion s | full speed s | TTFT p50 ms |")
-    print("|---|---|---|---|")
+    print("| start | first completion s | full speed s | TTFT p50 ms | load s per graph |")
+    print("|---|---|---|---|---|")
     for name, label in (("vllm-cpu", "vLLM CPU"), ("cold", "ours, cold cache"),
                         ("warm", "ours, warm cache"), ("eager", "ours, eager")):
         runs = [r[name] for r in rounds]
         print(f"| {label} | {spread([r['first'] for r in runs])} | "
               f"{spread([r.get('full') for r in runs])} | "
-              f"{spread([r.get('ttft_ms') for r in runs], '{:.0f}')} |")
+              f"{spread([r.get('ttft_ms') for r in runs], '{:.0f}')} | "
+              f"{spread([r.get('load_s') for r in runs], '{:.2f}')} |")
     med = lambda name, key: statistics.median(r[name][key] for r in rounds)  # noqa: E731
     print(f"first completion, ours cold ÷ vLLM CPU: {med('cold', 'first') / med('vllm-cpu', 'first'):.2f}")
     print(f"TTFT while compiling ÷ eager idle: {med('cold', 'ttft_ms') / med('eager', 'ttft_ms'):.2f}")
