@@ -142,9 +142,11 @@ class StepGraphs:
 
     def try_load(self, graph: Bucket, key: GraphKey | None = None) -> bool:
         """Load a graph from the cache; one that fails to load is evicted (warning) and
-        False returned. Not run, and its guards not checked: the entry's key holds
-        everything that shapes the graph and its checksum passed, and a serialized graph's
-        guards on the forward context it was traced with fail in any other process."""
+        False returned. Neither run nor guard-checked: the entry's key holds everything
+        that shapes the graph and its checksum passed, and with symbolic context sizes the
+        loaded graph's guards on vLLM's forward context failed in every other process
+        (torch 2.13), where the graph itself ran correctly (tests/e2e/test_graph_cache.py
+        holds its tokens against Transformers)."""
         key = key or self.key_of(graph)
         t0 = time.monotonic()
         data = self.cache.load(key)
