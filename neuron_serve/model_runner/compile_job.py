@@ -16,6 +16,7 @@ import threading
 import time
 
 import torch
+import vllm.ir
 from vllm.config import set_current_vllm_config
 from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
 
@@ -61,6 +62,10 @@ def main(index: int) -> None:
     vllm_config.load_config.load_format = "dummy"
     dev = device.current()
     dev.init_worker_process()
+    # What vLLM's WorkerBase sets for a worker's lifetime: without it the model's IR ops
+    # trace as opaque custom ops that compile regions reject.
+    vllm_config.kernel_config.ir_op_priority.set_default()
+    vllm.ir.set_default_torch_wrap(vllm_config.compilation_config.ir_enable_torch_wrap)
     with set_current_vllm_config(vllm_config):
         init_worker_distributed_environment(vllm_config, 0, f"tcp://127.0.0.1:{_free_port()}",
                                             0, "gloo")
