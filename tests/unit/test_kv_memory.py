@@ -12,7 +12,7 @@ from neuron_serve.device.emulated import kv_memory, setup
 pytestmark = pytest.mark.emulated
 
 
-def _anon_huge_kb(address: int) -> int:
+def _smaps_kb(address: int, field: str) -> int:
     """AnonHugePages of the mapping that holds `address`. Not the process's total: other
     tests' memory in the same worker comes and goes (a total fell by 56 MB here once)."""
     inside = False
@@ -21,7 +21,7 @@ def _anon_huge_kb(address: int) -> int:
         if "-" in head and not head.endswith(":"):
             start, end = (int(x, 16) for x in head.split("-"))
             inside = start <= address < end
-        elif inside and head == "AnonHugePages:":
+        elif inside and head == field:
             return int(line.split()[1])
     return 0
 
@@ -37,7 +37,19 @@ def test_zeros_are_zero_writable_and_outlive_their_mapping():
     mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
     if "[never]" in mode:
         pytest.skip("transparent huge pages are off on this machine")
-    assert _anon_huge_kb(buf.data_ptr()) >= 2048  # at least one 2 MB page of the 8 MB
+    kv_memory.commit_in_background(buf).join(timeout=60)
+    assert _smaps_kb(buf.data_ptr(), "AnonHugePages:") >= 2048  # at least one 2 MB page of the 8 MB
+
+
+def test_commit_faults_pages_in_without_touching_what_was_written():
+    """The background commit makes the pages resident, and a write that lands first
+    survives it (the engine serves while the cache commits)."""
+    buf = kv_memory.zeros(16 << 20)
+    assert _smaps_kb(buf.data_ptr(), "Rss:") < (1 << 10)  # unbacked until written
+    buf[5 << 20] = 7
+    kv_memory.commit_in_background(buf).join(timeout=60)
+    assert _smaps_kb(buf.data_ptr(), "Rss:") >= (16 << 10)
+    assert buf[5 << 20].item() == 7 and buf.count_nonzero().item() == 1
 
 
 def test_only_the_kv_cache_allocation_is_redirected():

@@ -77,11 +77,14 @@ def kv_cache_allocation(committed: bool = True) -> Iterator[None]:
     def kv_zeros(*size, dtype=None, device=None, **kwargs):
         if (len(size) == 1 and isinstance(size[0], int) and dtype == torch.int8
                 and not kwargs and torch.device(device or "cpu").type == "cpu"):
-            return kv_memory.zeros(size[0], committed)
+            kv = kv_memory.zeros(size[0])
+            if committed:
+                kv_memory.commit_in_background(kv)
+            return kv
         return plain(*size, dtype=dtype, device=device, **kwargs)
 
     _log_once("torch.zeros is redirected while vLLM allocates the KV cache",
-              "the cache goes on huge pages" if committed else
+              "the cache goes on huge pages, committed in the background" if committed else
               "a compile-only process leaves it uncommitted")
     torch.zeros = kv_zeros
     try:
