@@ -13,8 +13,6 @@ Read from vLLM's config and its `--additional-config '{"neuron": {...}}'` sectio
                             (Device.default_compile_mode: background on the emulated
                             device, ahead on Trainium); ahead where the cache is off
     require_precompiled  bool  refuse to start unless the cache holds every graph
-    compile_only     bool   set by `neuron-serve compile`: the engine only fills the cache, its
-                            KV cache stays uncommitted memory
     cache_dir        str    compiled-graph cache directory, "off" to disable
                             (default: $NEURON_SERVE_CACHE_DIR or ~/.cache/neuron-serve/graphs)
     cache_max_gb     float  size cap of that cache, LRU-pruned (default 20)
@@ -30,8 +28,7 @@ from neuron_serve import buckets as bk
 
 ADDITIONAL_CONFIG_KEY = "neuron"
 _KNOWN_KEYS = {"token_buckets", "request_buckets", "block_buckets", "max_attention_scratch_gb",
-               "compile_mode", "cache_dir", "cache_max_gb", "require_precompiled",
-               "compile_only"}
+               "compile_mode", "cache_dir", "cache_max_gb", "require_precompiled"}
 COMPILE_MODES = ("ahead", "background", "eager")
 DEFAULT_CACHE_MAX_GB = 20.0
 
@@ -50,7 +47,6 @@ class NeuronConfig:
     cache_dir: str | None = None  # None: no persistent cache
     cache_max_gb: float = DEFAULT_CACHE_MAX_GB
     require_precompiled: bool = False
-    compile_only: bool = False
     grid: tuple[bk.Bucket, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -148,7 +144,6 @@ class NeuronConfig:
             max_num_batched_tokens=sched.max_num_batched_tokens,
             compile_mode=mode,
             require_precompiled=strict,
-            compile_only=bool(extra.get("compile_only", False)),
             cache_dir=cache_dir if cache_on else None,
             cache_max_gb=float(extra.get("cache_max_gb", envs.NEURON_SERVE_CACHE_MAX_GB
                                          or DEFAULT_CACHE_MAX_GB)),

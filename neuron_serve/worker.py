@@ -84,7 +84,7 @@ class NeuronWorker(WorkerBase):
     def initialize_from_config(self, kv_cache_config) -> None:
         self.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
         runner = self.model_runner
-        runner.initialize_kv_cache(kv_cache_config, lazy=runner.config.compile_only)
+        runner.initialize_kv_cache(kv_cache_config)
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         with _stoppable():

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 
 from neuron_serve.cli.engine import add_engine_parser, engine_args
-from neuron_serve.config import ADDITIONAL_CONFIG_KEY
 from neuron_serve.stats import GraphStats
 
 
@@ -23,9 +22,6 @@ def run(args: argparse.Namespace) -> None:
     from vllm.v1.engine.llm_engine import LLMEngine
 
     args.compile_mode, args.require_precompiled = "ahead", False
-    section = (args.additional_config or {}).get(ADDITIONAL_CONFIG_KEY) or {}
-    args.additional_config = {**(args.additional_config or {}),
-                              ADDITIONAL_CONFIG_KEY: {**section, "compile_only": True}}
     engine = LLMEngine.from_engine_args(engine_args(args))
     try:
         stats = engine.collective_rpc("graph_stats")

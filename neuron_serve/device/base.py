@@ -70,9 +70,8 @@ class Device:
         """Memory `prepare_model` holds beside the model's parameters."""
         return 0
 
-    def kv_cache_memory(self, committed: bool = True) -> contextlib.AbstractContextManager:
-        """Around vLLM's KV-cache allocation. `committed=False` (a compile-only process,
-        which never reads the cache) may leave the memory unbacked."""
+    def kv_cache_memory(self) -> contextlib.AbstractContextManager:
+        """Around vLLM's KV-cache allocation."""
         return contextlib.nullcontext()
 
     def use_compiler_cache(self, directory: Path) -> None:

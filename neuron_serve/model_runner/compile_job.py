@@ -71,7 +71,7 @@ def main(index: int) -> None:
                                             0, "gloo")
         runner = NeuronModelRunner(vllm_config, dev.torch_device)
         runner.load_model()
-        runner.initialize_kv_cache(kv_cache_config, lazy=True)
+        runner.initialize_kv_cache(kv_cache_config)
         runner.graphs.warm_up(graphs=graphs, progress=log_progress, load=False)
 
 

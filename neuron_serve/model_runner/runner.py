@@ -85,9 +85,8 @@ class NeuronModelRunner:
                  for name, layer in self.attention_layers().items()}
         return {name: spec for name, spec in specs.items() if spec is not None}
 
-    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig, lazy: bool = False) -> None:
-        """Allocate the KV cache and set up the bucket graphs. `lazy` (compile-only
-        processes) leaves the pages uncommitted: such a process never reads them."""
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        """Allocate the KV cache and set up the bucket graphs."""
         if len(kv_cache_config.kv_cache_groups) != 1:
             raise NotImplementedError("neuron-serve supports models with one KV-cache group "
                                       f"(got {len(kv_cache_config.kv_cache_groups)})")
@@ -96,7 +95,7 @@ class NeuronModelRunner:
             raise RuntimeError(f"KV cache block size {block_size} differs from the one the "
                                f"buckets were planned for ({self.config.block_size})")
         layout = self.vllm_config.cache_config.get_resolved_kv_cache_layout()
-        with device_mod.current().kv_cache_memory(committed=not lazy):
+        with device_mod.current().kv_cache_memory():
             views = allocate_kv_cache(kv_cache_config, self.device, layout)
         # [blocks, kv heads, block size, 2 * head] → token-major [blocks, block size, kv heads, 2 * head]
         caches = {name: t.permute(0, 2, 1, 3) for name, t in views.items()}

@@ -93,10 +93,10 @@ class EmulatedDevice(Device):
 
         return linear.packed_weight_bytes(model)
 
-    def kv_cache_memory(self, committed: bool = True) -> contextlib.AbstractContextManager:
+    def kv_cache_memory(self) -> contextlib.AbstractContextManager:
         from neuron_serve.device.emulated import setup
 
-        return setup.kv_cache_allocation(committed)
+        return setup.kv_cache_allocation()
 
     def use_compiler_cache(self, directory: Path) -> None:
         from neuron_serve.device.emulated import setup

@@ -69,7 +69,7 @@ def inductor_cache(directory: Path) -> None:
 
 
 @contextlib.contextmanager
-def kv_cache_allocation(committed: bool = True) -> Iterator[None]:
+def kv_cache_allocation() -> Iterator[None]:
     """vLLM's one `torch.zeros(nbytes, dtype=torch.int8)` for the KV cache →
     `kv_memory.zeros`; other calls of torch.zeros inside pass through."""
     plain = torch.zeros
@@ -77,15 +77,11 @@ def kv_cache_allocation(committed: bool = True) -> Iterator[None]:
     def kv_zeros(*size, dtype=None, device=None, **kwargs):
         if (len(size) == 1 and isinstance(size[0], int) and dtype == torch.int8
                 and not kwargs and torch.device(device or "cpu").type == "cpu"):
-            kv = kv_memory.zeros(size[0])
-            if committed:
-                kv_memory.commit_in_background(kv)
-            return kv
+            return kv_memory.zeros(size[0])
         return plain(*size, dtype=dtype, device=device, **kwargs)
 
     _log_once("torch.zeros is redirected while vLLM allocates the KV cache",
-              "the cache goes on huge pages, committed in the background" if committed else
-              "a compile-only process leaves it uncommitted")
+              "the cache goes on huge pages, committed as it is first written")
     torch.zeros = kv_zeros
     try:
         yield
