@@ -4,7 +4,9 @@
 
 SYSTEM is `neuron` (our platform, compiled), `vllm-cpu` (vLLM's own CPU backend, same
 install) or `transformers` (`generate` with a static cache and torch.compile, batched).
-Each stdin line is a JSON job {"batch", "prompt", "output", "seed"}; the answer is one
+Each stdin line is a JSON job {"batch", "prompt", "output", "seed"}, optionally with a
+"schema" (vLLM systems: every sequence's output constrained to that JSON schema, vLLM's
+structured outputs; the schema must not end within `output` tokens); the answer is one
 stdout line `RESULT {"seconds": ..., "output_tokens": ...}` (vLLM logs to stdout too, so
 results carry a prefix). Prompts are random token ids from the seed, the same for every
 system; every sequence generates exactly `output` tokens (EOS ignored), nothing detokenized.
@@ -25,7 +27,7 @@ SYSTEMS = ("neuron", "vllm-cpu", "transformers")
 # and the system measured next would share the 2 cores with that spin (seen: our server's
 # TPOT 60 ms instead of 2.9 ms on the tiny model).
 OTHER_SYSTEM_IDLE_S = 2.0
-Generate = Callable[[list[list[int]], int], int]  # prompts, output length → tokens generated
+Generate = Callable[..., int]  # prompts, output length, schema → tokens generated
 
 
 def prompts_for(job: dict, vocab_size: int) -> list[list[int]]:
@@ -53,9 +55,12 @@ def vllm_engine(system: str, args: argparse.Namespace) -> Generate:
               kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30), enable_prefix_caching=False,
               **ours)
 
-    def generate(prompts: list[list[int]], output: int) -> int:
+    def generate(prompts: list[list[int]], output: int, schema: dict | None = None) -> int:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        constrained = StructuredOutputsParams(json=schema) if schema else None
         params = SamplingParams(max_tokens=output, ignore_eos=True, temperature=0,
-                                detokenize=False)
+                                detokenize=False, structured_outputs=constrained)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs)
     return generate
@@ -100,7 +105,7 @@ def main() -> None:
         job = json.loads(line)
         prompts = prompts_for(job, vocab_size)
         t0 = time.perf_counter()
-        tokens = generate(prompts, job["output"])
+        tokens = generate(prompts, job["output"], **({"schema": job["schema"]} if "schema" in job else {}))
         seconds = time.perf_counter() - t0
         print("RESULT " + json.dumps({"seconds": seconds, "output_tokens": tokens}), flush=True)
 

@@ -173,15 +173,17 @@ class NeuronPlatform(Platform):
 
     @classmethod
     def validate_request(cls, processed_inputs, params) -> None:
+        """A refused request is vLLM's client error: 400 on either server, not 500."""
+        from vllm.exceptions import VLLMValidationError
+
         kind = processed_inputs.get("type")
         if kind != "token":
-            raise ValueError(f"neuron-serve accepts token prompts only, not {kind!r} inputs")
-        if getattr(params, "prompt_logprobs", None) is not None:
-            raise ValueError("prompt_logprobs is not supported by neuron-serve")
+            raise VLLMValidationError(f"neuron-serve accepts token prompts only, not {kind!r} inputs",
+                                      parameter="prompt")
         limit = _context_limit.get("tokens")
         prompt_len = len(processed_inputs["prompt_token_ids"])
         if limit is not None and prompt_len >= limit:
-            raise ValueError(
+            raise VLLMValidationError(
                 f"prompt of {prompt_len} tokens does not fit: the largest context bucket holds "
                 f"{limit} tokens including at least one generated token; shorten the prompt "
-                "or serve with a larger --max-model-len / neuron.block_buckets")
+                "or serve with a larger --max-model-len / neuron.block_buckets", parameter="prompt")

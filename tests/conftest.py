@@ -23,7 +23,7 @@ from neuron_serve.models.tiny import FAMILIES, write_checkpoint
 os.environ["NEURON_SERVE_DEVICE"] = "neuron"
 # Engines that compile have every graph before their first request: they test compiled
 # numerics. The device's default (background on the emulated device) is tested on its own.
-os.environ["NEURON_SERVE_COMPILE_MODE"] = "ahead"
+os.environ.setdefault("NEURON_SERVE_COMPILE_MODE", "ahead")  # eager: a quick local run
 REPO = Path(__file__).resolve().parent.parent
 # Scripts under tools/ (the demo's training data pipeline) are imported by tests as modules.
 sys.path.insert(0, str(REPO / "tools"))
@@ -173,12 +173,35 @@ def start_server(cmd: list[str], port: int, log_path: Path) -> RunningServer:
     return server
 
 
+# Forced tool calls (required, named) constrained by the tools' JSON schemas, where vLLM's
+# default, a Hermes structural tag, lets free whitespace into the arguments: a random-weight
+# model emits it until max_tokens.
+os.environ["VLLM_ENFORCE_STRICT_TOOL_CALLING"] = "0"
+# vLLM's frontend flags both servers take: Hermes tool calls (the tiny checkpoints' chat
+# template renders tools in that format), and JSON without free whitespace, which a
+# random-weight model would otherwise emit until max_tokens.
+FRONTEND_FLAGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                  "--structured-outputs-config",
+                  json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})]
+
+
 @pytest.fixture(scope="session")
 def tiny_server(tiny_llama, tmp_path_factory) -> Iterator[RunningServer]:
     """`neuron-serve serve` on the tiny Llama checkpoint, served as `tiny`."""
     port = free_port()
     cmd = [str(VENV_BIN / "neuron-serve"), "serve", str(tiny_llama), "--port", str(port),
-           "--served-model-name", "tiny", *TEST_ENGINE_FLAGS]
+           "--served-model-name", "tiny", *TEST_ENGINE_FLAGS, *FRONTEND_FLAGS]
     server = start_server(cmd, port, tmp_path_factory.mktemp("logs") / "tiny_server.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_llama, tmp_path_factory) -> Iterator[RunningServer]:
+    """vLLM's own OpenAI server, `vllm serve --device neuron`, on the same checkpoint."""
+    port = free_port()
+    cmd = [str(VENV_BIN / "vllm"), "serve", str(tiny_llama), "--device", "neuron",
+           "--port", str(port), "--served-model-name", "tiny", *TEST_ENGINE_FLAGS, *FRONTEND_FLAGS]
+    server = start_server(cmd, port, tmp_path_factory.mktemp("logs") / "vllm_serve.log")
     yield server
     server.stop()

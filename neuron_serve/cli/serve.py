@@ -23,6 +23,8 @@ def _positive(kind: type) -> Callable[[str], int | float]:
 
 
 def add_parser(subparsers) -> None:
+    from vllm.entrypoints.launchers.cli_args import BaseFrontendArgs
+
     serve = add_engine_parser(
         subparsers, "serve",
         help="serve a Hugging Face checkpoint over an OpenAI-compatible HTTP API",
@@ -49,6 +51,8 @@ def add_parser(subparsers) -> None:
     server.add_argument("--profile-dir", default=None,
                         help="where POST /admin/profile/stop writes traces and Parquet tables "
                              "(default: $NEURON_SERVE_PROFILE_DIR or ~/.cache/neuron-serve/profiles)")
+    # vLLM's OpenAI-frontend flags: chat template, tool and reasoning parsers, and the rest.
+    BaseFrontendArgs.add_cli_args(serve)
 
 
 async def _serve(args: argparse.Namespace) -> None:
@@ -62,9 +66,9 @@ async def _serve(args: argparse.Namespace) -> None:
     engine = AsyncLLM.from_engine_args(engine_args_)
     try:
         names = engine_args_.served_model_name or [engine_args_.model]
-        names = [names] if isinstance(names, str) else list(names)
-        app = build_app(engine, names, request_timeout_s=args.request_timeout,
-                        profile_dir=args.profile_dir or envs.NEURON_SERVE_PROFILE_DIR)
+        args.served_model_name = [names] if isinstance(names, str) else list(names)
+        app = await build_app(engine, args, request_timeout_s=args.request_timeout,
+                              profile_dir=args.profile_dir or envs.NEURON_SERVE_PROFILE_DIR)
         if args.allowed_origins:
             from fastapi.middleware.cors import CORSMiddleware
             app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins,

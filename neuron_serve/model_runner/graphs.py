@@ -37,11 +37,13 @@ _DYNAMO_MARKS = ("_dynamo_dynamic_indices", "_dynamo_dynamic_range", "_dynamo_hi
 
 
 def step(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
-         logits_indices: torch.Tensor) -> torch.Tensor:
-    """The program of every graph. The model is an argument, not a constant: its weights
-    are graph inputs, so one compiled graph serves any weights of the architecture."""
+         logits_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The program of every graph: each request's last-token logits, and the final hidden
+    states of every token row (prompt logprobs run the LM head on some of them). The model
+    is an argument, not a constant: its weights are graph inputs, so one compiled graph
+    serves any weights of the architecture."""
     hidden = model(input_ids=input_ids, positions=positions)
-    return model.compute_logits(hidden[logits_indices])
+    return model.compute_logits(hidden[logits_indices]), hidden
 
 
 class StepGraphs:
@@ -70,8 +72,9 @@ class StepGraphs:
 
     # ---- serving ---------------------------------------------------------------------
 
-    def run(self, bucket: Bucket, num_real_tokens: int) -> torch.Tensor:
-        """Logits [bucket.num_reqs, vocab] for the inputs already in the bucket's buffers."""
+    def run(self, bucket: Bucket, num_real_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [bucket.num_reqs, vocab] and hidden states [bucket.num_tokens, hidden] for
+        the inputs already in the bucket's buffers."""
         buf = self.buffers[bucket]
         fn = self.graphs.get(self.graph_of[bucket])
         self.stats.real_tokens += num_real_tokens
@@ -221,9 +224,9 @@ class StepGraphs:
         buf = self.buffers[bucket]
         buf.fill({})
         with torch.no_grad(), override_forward_context(self._contexts[bucket]):
-            out = fn(self.model, buf.input_ids, buf.positions, buf.logits_indices)
-        if out.shape[0] != bucket.num_reqs:
-            raise RuntimeError(f"graph returned {tuple(out.shape)} logits for bucket {bucket}")
+            logits, _ = fn(self.model, buf.input_ids, buf.positions, buf.logits_indices)
+        if logits.shape[0] != bucket.num_reqs:
+            raise RuntimeError(f"graph returned {tuple(logits.shape)} logits for bucket {bucket}")
         # The call above checked dynamo's guards; every later call passes the same model and
         # the same persistent buffers, so re-checking them would be pure overhead, and a
         # visible share of a short decode step (measured: benchmarks/README.md, "Design

@@ -2,7 +2,8 @@
 
 Per step:  update request state (vLLM's InputBatch keeps it) → pack the ragged batch
 and pad it into its bucket (inputs.py) → run the bucket's compiled graph (graphs.py) →
-sample with vLLM's Sampler → record the new tokens.
+sample with vLLM's Sampler → record the new tokens. Prompt logprobs, where asked for, come
+from the same step's hidden states (prompt_logprobs.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from neuron_serve.logs import init_logger
 from neuron_serve.model_runner import background, compile_regions
 from neuron_serve.model_runner.graphs import StepGraphs, log_progress
 from neuron_serve.model_runner.inputs import StepPlan, plan_step
+from neuron_serve.model_runner.prompt_logprobs import PromptLogprobs
 
 logger = init_logger(__name__)
 
@@ -51,7 +53,8 @@ class NeuronModelRunner:
         self.kv_cache_config: KVCacheConfig | None = None
         self.background: background.BackgroundCompile | None = None
         self.kv_caches: list[torch.Tensor] = []
-        self._pending: tuple[StepPlan, torch.Tensor, SchedulerOutput] | None = None
+        self.prompt_logprobs: PromptLogprobs | None = None
+        self._pending: tuple[StepPlan, torch.Tensor, SchedulerOutput, dict] | None = None
 
     def _make_input_batch(self) -> InputBatch:
         cfg = self.config
@@ -70,6 +73,8 @@ class NeuronModelRunner:
         where the device compiles so."""
         dev = device_mod.current()
         self.model = model = get_model(vllm_config=self.vllm_config).eval()
+        self.prompt_logprobs = PromptLogprobs(model, self.sampler, self.model_config.logprobs_mode,
+                                              self.model_config.get_vocab_size())
         attention_layer.adopt(model, kernels.get(dev.attention_kernel))
         dev.prepare_model(model)
         if dev.regional_compile:
@@ -184,12 +189,15 @@ class NeuronModelRunner:
         if self.background is not None and self.background.poll(self.graphs):
             self.background = None
         self.graphs.buffers[plan.bucket].fill(arrays)
-        logits = self.graphs.run(plan.bucket, plan.num_tokens)[:n]
-        self._pending = (plan, logits, scheduler_output)
+        logits, hidden = self.graphs.run(plan.bucket, plan.num_tokens)
+        with torch.no_grad():
+            prompt_logprobs = self.prompt_logprobs.compute(hidden, self.requests,
+                                                           batch.req_id_to_index, num_scheduled)
+        self._pending = (plan, logits[:n], scheduler_output, prompt_logprobs)
         return None  # sample_tokens follows, with the grammar bitmask if any
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
-        plan, logits, scheduler_output = self._pending
+        plan, logits, scheduler_output, prompt_logprobs = self._pending
         self._pending = None
         batch = self.input_batch
         if grammar_output is not None:
@@ -208,7 +216,8 @@ class NeuronModelRunner:
         logprobs = out.logprobs_tensors.tolists() if out.logprobs_tensors is not None else None
         return ModelRunnerOutput(req_ids=list(batch.req_ids[: plan.num_reqs]),
                                  req_id_to_index=dict(batch.req_id_to_index),
-                                 sampled_token_ids=sampled, logprobs=logprobs)
+                                 sampled_token_ids=sampled, logprobs=logprobs,
+                                 prompt_logprobs_dict=prompt_logprobs)
 
     def _record(self, sampled: list[list[int]]) -> None:
         batch = self.input_batch
@@ -227,6 +236,7 @@ class NeuronModelRunner:
         batch = self.input_batch
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
+            self.prompt_logprobs.remove(req_id)
             batch.remove_request(req_id)
         resumed = so.scheduled_cached_reqs.resumed_req_ids
         scheduled = so.num_scheduled_tokens.keys() - resumed
@@ -252,6 +262,7 @@ class NeuronModelRunner:
             num_computed_tokens=new.num_computed_tokens, output_token_ids=[],
             lora_request=new.lora_request)
         self.requests[new.req_id] = state
+        self.prompt_logprobs.add(state)
         return state
 
     def _update_cached(self, cached) -> list[CachedRequestState]:

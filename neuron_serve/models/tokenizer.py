@@ -13,13 +13,26 @@ SPECIAL_TOKENS = [PAD, BOS, EOS, USER, ASSISTANT, SYSTEM, END]
 
 # Each turn is "<|role|>\n{content}<|end|>\n"; generation is prompted with "<|assistant|>\n"
 # and stops at <|end|> (declared as an end-of-sequence token in generation_config.json).
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
-)
+# Tools, tool calls and tool results render in the Hermes format (vLLM's `hermes` tool
+# parser reads the calls back): the tools' JSON schemas in a system turn, a call as
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call>, a result in <tool_response>.
+CHAT_TEMPLATE = """{{ bos_token }}
+{%- if tools %}{{ '<|system|>\nTo call a tool, answer '
+    '<tool_call>{"name": NAME, "arguments": ARGUMENTS}</tool_call>. Tools:\n<tools>\n' }}
+{%- for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}{{ '</tools><|end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message['role'] == 'tool' %}
+{{- '<|tool|>\n<tool_response>' + message['content'] + '</tool_response><|end|>\n' }}
+{%- else %}{{ '<|' + message['role'] + '|>\n' + (message['content'] or '') }}
+{%- for call in message.get('tool_calls') or [] %}
+{%- set arguments = call['function']['arguments'] %}
+{{- '<tool_call>{"name": "' + call['function']['name'] + '", "arguments": ' }}
+{{- arguments if arguments is string else arguments | tojson }}{{ '}</tool_call>' }}
+{%- endfor %}{{ '<|end|>\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"""
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:

@@ -1,38 +1,44 @@
-"""FastAPI application: thin routes over the serving layer; errors raised, handlers render."""
+"""FastAPI application: thin routes over vLLM's serving classes (openai_api.py) and our
+own probes, metrics and profiling; errors raised, handlers render."""
 
 from __future__ import annotations
 
-import asyncio
-import uuid
-from collections.abc import Awaitable
+from argparse import Namespace
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from vllm.engine.protocol import EngineClient
-from vllm.v1.engine.exceptions import EngineDeadError
-
-from neuron_serve.server.chat import ChatService
-from neuron_serve.server.errors import ServerError, register_error_handlers
-from neuron_serve.server.metrics import render as render_metrics
-from neuron_serve.server.profiling import ProfileControl
-from neuron_serve.server.protocol import (
+from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
-    CompletionRequest,
-    CompletionResponse,
+)
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest, CompletionResponse
+from vllm.entrypoints.openai.responses.protocol import ResponsesRequest, ResponsesResponse
+from vllm.entrypoints.serve.engine.protocol import ModelList
+from vllm.entrypoints.serve.tokenize.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
-    ErrorResponse,
-    ModelCard,
-    ModelList,
-    ProfileStarted,
-    ProfileStopped,
     TokenizeRequest,
     TokenizeResponse,
 )
-from neuron_serve.server.serving import CompletionService, GenerationService
+from vllm.v1.engine.exceptions import EngineDeadError
+
+from neuron_serve.server import fields
+from neuron_serve.server.errors import ServerError, register_error_handlers
+from neuron_serve.server.metrics import render as render_metrics
+from neuron_serve.server.openai_api import (
+    conform_chat,
+    conform_completion,
+    conform_error,
+    conform_response,
+    init_serving,
+    respond,
+)
+from neuron_serve.server.profiling import ProfileControl
+from neuron_serve.server.protocol import ErrorResponse, ProfileStarted, ProfileStopped
 
 
 def _errors(*statuses: HTTPStatus) -> dict:
@@ -50,59 +56,25 @@ GENERATION_RESPONSES = {
     **_errors(HTTPStatus.NOT_FOUND, HTTPStatus.TOO_MANY_REQUESTS, HTTPStatus.SERVICE_UNAVAILABLE,
               HTTPStatus.GATEWAY_TIMEOUT),
 }
+
+
 class PrometheusResponse(Response):
     media_type = CONTENT_TYPE_LATEST
 
 
-CLIENT_DISCONNECTED = 499  # nginx's code: logged, never seen by the (gone) client
-
-
-async def _unless_disconnected(request: Request, work: Awaitable) -> Response:
-    """`work`'s result, or cancel it when the client goes away: cancelling closes the
-    engine's output stream, which aborts the request (no generation for nobody)."""
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-    return task.result() if not task.cancelled() else Response(status_code=CLIENT_DISCONNECTED)
-
-
-class EventStream(StreamingResponse):
-    """Server-sent events whose generator is closed however the response ends. Starlette
-    cancels a stream whose client left; when that lands while a chunk is being sent, the
-    generator stays suspended and its engine request would run on until garbage collection."""
-    media_type = "text/event-stream"
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
-
-
-async def _generation(request: Request, service: GenerationService, req, request_id: str):
-    if req.stream:  # closing the event generator aborts the request in the engine
-        return EventStream(await service.stream(req, request_id))
-    return await _unless_disconnected(request, service.complete(req, request_id))
-
-
-def build_app(engine: EngineClient, served_names: list[str], *,
-              request_timeout_s: float | None = None, profile_dir: str | None = None) -> FastAPI:
-    """The HTTP app for one engine serving one model under `served_names`; profiles are
-    written under `profile_dir` (None: profiling is off)."""
-    app = FastAPI(title="neuron-serve", version=__import__("neuron_serve").__version__)
-    register_error_handlers(app)
-    completions = CompletionService(engine, served_names, request_timeout_s)
-    chat = ChatService(engine, served_names, request_timeout_s)
-    profiler = ProfileControl(engine, profile_dir)
-    root = engine.model_config.model
+async def build_app(engine: EngineClient, args: Namespace, *,
+                    request_timeout_s: float | None = None, profile_dir: str | None = None,
+                    init: Callable[..., Awaitable[None]] = init_serving) -> FastAPI:
+    """The HTTP app for one engine; `args` holds vLLM's frontend flags (chat template, tool
+    and reasoning parsers, served model names), from which `init` puts vLLM's serving
+    objects on the app's state. Profiles are written under `profile_dir` (None: profiling
+    is off)."""
     version = __import__("neuron_serve").__version__
+    app = FastAPI(title="neuron-serve", version=version)
+    register_error_handlers(app)
+    await init(engine, args, app.state)
+    state = app.state
+    profiler = ProfileControl(engine, profile_dir)
 
     async def check_engine() -> PlainTextResponse:
         try:
@@ -111,6 +83,9 @@ def build_app(engine: EngineClient, served_names: list[str], *,
             raise ServerError("the engine has stopped; restart the server",
                               HTTPStatus.SERVICE_UNAVAILABLE) from exc
         return PlainTextResponse("")
+
+    async def answer(request: Request, work, conform=conform_error) -> Response:
+        return await respond(request, work, request_timeout_s, conform)
 
     probe = dict(response_class=PlainTextResponse, responses=_errors(HTTPStatus.SERVICE_UNAVAILABLE))
 
@@ -131,28 +106,18 @@ def build_app(engine: EngineClient, served_names: list[str], *,
         return {"version": version, "vllm": vllm.__version__}
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_errors(HTTPStatus.NOT_FOUND))
-    async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
-        if req.model is not None:
-            completions.check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise ServerError("give exactly one of prompt or messages", param="prompt")
-        tokens = (completions.chat_prompt_ids(req.messages, req.add_generation_prompt)
-                  if req.messages is not None else
-                  completions.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
-        return TokenizeResponse(count=len(tokens), max_model_len=completions.max_model_len,
-                                tokens=tokens)
+    async def tokenize(req: TokenizeRequest, request: Request):
+        return await answer(request, state.serving_tokenization.create_tokenize(req, request))
 
     @app.post("/detokenize", response_model=DetokenizeResponse,
               responses=_errors(HTTPStatus.NOT_FOUND))
-    async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
-        if req.model is not None:
-            completions.check_model(req.model)
-        vocab = len(completions.tokenizer)
+    async def detokenize(req: DetokenizeRequest, request: Request):
+        vocab = engine.model_config.get_vocab_size()
         bad = [t for t in req.tokens if not 0 <= t < vocab]
-        if bad:
+        if bad:  # vLLM would decode them to something
             raise ServerError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
                               param="tokens")
-        return DetokenizeResponse(prompt=completions.tokenizer.decode(req.tokens))
+        return await answer(request, state.serving_tokenization.create_detokenize(req, request))
 
     @app.get("/metrics", response_class=PrometheusResponse)
     async def metrics() -> PrometheusResponse:
@@ -160,18 +125,27 @@ def build_app(engine: EngineClient, served_names: list[str], *,
         return PrometheusResponse(await render_metrics(engine))
 
     @app.get("/v1/models", response_model=ModelList, responses=_errors())
-    async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, root=root, max_model_len=completions.max_model_len)
-                               for name in served_names])
+    async def models(request: Request):
+        return await answer(request, state.openai_serving_models.show_available_models())
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=GENERATION_RESPONSES)
     async def create_completion(req: CompletionRequest, request: Request):
-        return await _generation(request, completions, req, f"cmpl-{uuid.uuid4().hex}")
+        fields.refuse_unhonoured(req, fields.COMPLETION)
+        return await answer(request, state.openai_serving_completion.create_completion(req, request),
+                            conform_completion)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
               responses=GENERATION_RESPONSES)
     async def create_chat_completion(req: ChatCompletionRequest, request: Request):
-        return await _generation(request, chat, req, f"chatcmpl-{uuid.uuid4().hex}")
+        fields.refuse_unhonoured(req, fields.CHAT)
+        return await answer(request, state.openai_serving_chat.create_chat_completion(req, request),
+                            conform_chat)
+
+    @app.post("/v1/responses", response_model=ResponsesResponse, responses=GENERATION_RESPONSES)
+    async def create_response(req: ResponsesRequest, request: Request):
+        """OpenAI's Responses API: text in, text out, streamed or not."""
+        return await answer(request, state.openai_serving_responses.create_responses(req, request),
+                            conform_response)
 
     @app.post("/admin/profile/start", response_model=ProfileStarted,
               responses=_errors(HTTPStatus.CONFLICT))

@@ -9,7 +9,6 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
-from vllm.exceptions import VLLMClientError
 
 from neuron_serve.server.protocol import ErrorInfo, ErrorResponse
 
@@ -25,18 +24,27 @@ class ServerError(Exception):
         self.message, self.status, self.param, self.headers = message, status, param, headers
 
 
-# What vLLM raises for a bad request (the engine's own validation): the client's fault.
-CLIENT_ERRORS = (ValueError, VLLMClientError)
+def as_server_error(exc: Exception) -> ServerError:
+    """Any exception as the error the client sees, classified as vLLM's server does (its
+    validation errors and raw ValueErrors are the client's: 400 naming the parameter where
+    vLLM says which); a server-side failure says nothing of its internals."""
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
-
-def client_error(exc: Exception) -> ServerError:
-    """A vLLM validation failure as a 400 naming the parameter when vLLM says which."""
-    return ServerError(str(exc), param=getattr(exc, "parameter", None))
+    if isinstance(exc, ServerError):
+        return exc
+    info = create_error_response(exc).error
+    status = HTTPStatus(info.code)
+    if status >= HTTPStatus.INTERNAL_SERVER_ERROR:
+        return ServerError("internal server error", status)
+    return ServerError(info.message, status, info.param)
 
 
 def error_body(message: str, status: HTTPStatus, param: str | None = None) -> dict:
+    """OpenAI's error body; `code` names the status in words ("not_found"), as OpenAI's
+    codes are strings."""
     err_type = "invalid_request_error" if status < 500 else "server_error"
-    info = ErrorInfo(message=message, type=err_type, param=param, code=int(status))
+    code = status.phrase.lower().replace(" ", "_").replace("-", "_")
+    info = ErrorInfo(message=message, type=err_type, param=param, code=code)
     return ErrorResponse(error=info).model_dump()
 
 
@@ -45,13 +53,18 @@ def _respond(message: str, status: HTTPStatus, param: str | None = None,
     return JSONResponse(error_body(message, status, param), status_code=status, headers=headers)
 
 
+def _is_tag(part) -> bool:
+    return isinstance(part, str) and any(c in part for c in "[](),")
+
+
 def register_error_handlers(app: FastAPI) -> None:
     """Framework errors → 400, our errors → their status, anything else → bare 500."""
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        # pydantic's union and validator tags ("function-wrap[...]") are not fields
+        loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_tag(p)]
         param = ".".join(loc) or None
         return _respond(f"{param or 'request'}: {first.get('msg', 'invalid request')}",
                         HTTPStatus.BAD_REQUEST, param)
@@ -64,12 +77,9 @@ def register_error_handlers(app: FastAPI) -> None:
     async def _server_error(_: Request, exc: ServerError) -> JSONResponse:
         return _respond(exc.message, exc.status, exc.param, exc.headers)
 
-    @app.exception_handler(VLLMClientError)
-    async def _vllm_client_error(_: Request, exc: VLLMClientError) -> JSONResponse:
-        err = client_error(exc)
-        return _respond(err.message, err.status, err.param)
-
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return _respond("internal server error", HTTPStatus.INTERNAL_SERVER_ERROR)
+        err = as_server_error(exc)
+        if err.status >= HTTPStatus.INTERNAL_SERVER_ERROR:
+            logger.exception("unhandled error")
+        return _respond(err.message, err.status, err.param)

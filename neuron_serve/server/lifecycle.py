@@ -33,7 +33,7 @@ def _json_lines_to_stdout() -> None:
         access_log.propagate = False
 
 OPEN_PATHS = {"/health", "/ready", "/metrics", "/version"}  # probes and scrapers: no key
-ADMITTED_PATHS = {"/v1/completions", "/v1/chat/completions"}  # these count against the limit
+ADMITTED_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/responses"}  # count against the limit
 RETRY_AFTER_S = "1"
 
 

@@ -168,8 +168,13 @@ def test_security_scan_passes_or_skips_with_a_reason(rendered, tmp_path):
 
 
 def _routes() -> dict[str, set[str]]:
+    import asyncio
+
     from neuron_serve.server.app import build_app
-    app = build_app(MagicMock(), ["model"])
+
+    async def no_serving(*_) -> None:  # the routes exist without vLLM's serving objects
+        pass
+    app = asyncio.run(build_app(MagicMock(), MagicMock(), init=no_serving))
     return {r.path: r.methods for r in app.routes if hasattr(r, "methods")}
 
 

@@ -48,7 +48,7 @@ def test_api_key_is_required_on_the_api_but_not_on_probes(guarded):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEY}"}):
         resp = httpx.get(f"{url}/v1/models", headers=headers)
         assert resp.status_code == 401
-        assert resp.json()["error"]["code"] == 401 and "API key" in resp.json()["error"]["message"]
+        assert resp.json()["error"]["code"] == "unauthorized" and "API key" in resp.json()["error"]["message"]
     assert httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
     for path in ("/health", "/ready", "/metrics", "/version"):
         assert httpx.get(f"{url}{path}").status_code == 200, path
@@ -72,7 +72,7 @@ def test_oversized_body_is_413(guarded):
                       headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     assert resp.status_code == 413
     error = resp.json()["error"]
-    assert error["code"] == 413 and error["type"] == "invalid_request_error"
+    assert error["code"] == "request_entity_too_large" and error["type"] == "invalid_request_error"
     assert "100000" in error["message"] and "--max-request-body-bytes" in error["message"]
 
 
@@ -138,15 +138,15 @@ def timed(tiny_llama, tmp_path_factory):
 
 
 def test_request_timeout_is_504_and_stops_the_generation(timed):
-    """128 choices × 480 tokens, one sequence at a time, is over 60,000 decode steps: far
+    """128 prompts × 480 tokens, one sequence at a time, is over 60,000 decode steps: far
     more than 1 s on any machine; on timeout the answer is 504 and the engine stops."""
-    body = {"model": "tiny", "prompt": "A list", "max_tokens": 480, "min_tokens": 480, "n": 128}
+    body = {"model": "tiny", "prompt": ["A list"] * 128, "max_tokens": 480, "min_tokens": 480}
     before = generated_tokens_after_idle(timed.base_url)
     resp = httpx.post(f"{timed.base_url}/v1/completions", json=body, timeout=120)
     assert resp.status_code == 504
     assert resp.json()["error"] == {"message": f"the request did not finish within "
                                     f"{REQUEST_TIMEOUT_S} s (--request-timeout)",
-                                    "type": "server_error", "param": None, "code": 504}
+                                    "type": "server_error", "param": None, "code": "gateway_timeout"}
     assert generated_tokens_after_idle(timed.base_url) - before < 128 * 480
 
     with httpx.stream("POST", f"{timed.base_url}/v1/completions", json={**body, "stream": True},
@@ -296,7 +296,7 @@ def test_sigterm_drains_in_flight_streams_then_exits_zero(tiny_llama, tmp_path_f
         assert during.status_code == 503 and during.headers["retry-after"] == "1"
         assert during.json()["error"] == {"message": "the server is shutting down; retry on "
                                           "another replica", "type": "server_error",
-                                          "param": None, "code": 503}
+                                          "param": None, "code": "service_unavailable"}
         assert ready.status_code == 503
         assert server.proc.wait(timeout=60) == 0
         print(f"\ndrain: checked {checked:.2f} s after SIGTERM; {STREAMS} streams × "

@@ -81,7 +81,7 @@ def test_batch_of_prompts_n_and_seed(client):
 def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="nope", prompt="x", max_tokens=1)
-    assert err.value.body["message"].startswith("model 'nope' does not exist")
+    assert "nope" in err.value.body["message"] and err.value.body["param"] == "model"
 
 
 def test_prompt_longer_than_context_is_400_naming_the_limit(client):
@@ -95,19 +95,6 @@ def test_invalid_parameter_is_400_not_422(client):
         client.completions.create(model="tiny", prompt="x", max_tokens=1, temperature=5)
     assert err.value.body["param"] == "temperature"
     assert err.value.body["type"] == "invalid_request_error"
-
-
-@pytest.fixture(scope="module")
-def vllm_server(tiny_llama, tmp_path_factory):
-    """vLLM's own OpenAI server, `vllm serve --device neuron`, on our platform."""
-    from conftest import TEST_ENGINE_FLAGS, VENV_BIN, free_port, start_server
-
-    port = free_port()
-    cmd = [str(VENV_BIN / "vllm"), "serve", str(tiny_llama), "--device", "neuron",
-           "--port", str(port), "--served-model-name", "tiny", *TEST_ENGINE_FLAGS]
-    server = start_server(cmd, port, tmp_path_factory.mktemp("logs") / "vllm_serve.log")
-    yield server
-    server.stop()
 
 
 def test_vllm_serve_device_neuron_matches_transformers(vllm_server, tiny_llama):

@@ -1,15 +1,16 @@
-"""A stand-in for vLLM's engine client, for the server's unit tests: only what build_app
-and the services call (model_config, get_tokenizer, generate, abort, check_health,
-collective_rpc), with a real tokenizer and real vLLM output objects.
+"""Stand-ins for the server's unit tests: an engine client (only what our own layer calls:
+model_config, get_tokenizer, generate, abort, check_health, collective_rpc), with a real
+tokenizer and real vLLM output objects, and serving objects with vLLM's calling convention
+(`create_completion(request, raw_request)` → a body, an SSE generator, or vLLM's
+ErrorResponse) over it, put on the app by `stand_in_serving`. They exercise what
+neuron-serve owns (lifecycle, timeouts, disconnects, error shapes, probes, metrics,
+profiling); vLLM's serving itself runs in tests/e2e on real engines.
 
 Generation is deterministic and trivial: choice c of a prompt of L tokens emits the word
 tokens word_ids[L + c], word_ids[L + c + 1], ... (`continuation`), max_tokens of them, then
-finish_reason "length"; sampling fields other than n, max_tokens, logprobs and output_kind
-are recorded, not obeyed. Streamed requests (RequestOutputKind.DELTA) get one output per
-token and choice, interleaved, as vLLM's parallel sampling sends them; others get one final
-output with every choice. A generator closed or cancelled early aborts its request, as
-AsyncLLM.generate does. What the server does with a real engine's outputs is checked end to
-end in tests/e2e/test_serve.py, test_chat_and_tokenize.py and test_lifecycle.py.
+finish_reason "length". Streamed requests (RequestOutputKind.DELTA) get one output per
+token and choice; others get one final output with every choice. A generator closed or
+cancelled early aborts its request, as AsyncLLM.generate does.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from pydantic import BaseModel, ConfigDict
 from vllm.logprobs import Logprob
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -140,6 +143,84 @@ class StandInEngine:
                         finished: bool) -> RequestOutput:
         return RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=prompt,
                              prompt_logprobs=None, outputs=outputs, finished=finished)
+
+
+class StandInServing:
+    """vLLM's serving classes' calling convention over the stand-in engine: the prompt (or
+    the messages' contents, joined) tokenized, `max_tokens` and `n` obeyed, the output text
+    returned. Streams close the engine's generator when they end, as vLLM's do."""
+
+    def __init__(self, engine: StandInEngine, served: list[str]):
+        self.engine, self.served = engine, served
+
+    async def create_completion(self, req, raw_request):
+        return await self._generate(req, req.prompt, req.max_tokens or 16)
+
+    async def create_chat_completion(self, req, raw_request):
+        text = " ".join(m["content"] for m in req.messages)
+        return await self._generate(req, text, req.max_completion_tokens or req.max_tokens or 16)
+
+    async def _generate(self, req, text: str, max_tokens: int):
+        from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
+
+        if req.model not in self.served:
+            return ErrorResponse(error=ErrorInfo(message=f"model {req.model!r} does not exist",
+                                                 type="NotFoundError", param="model", code=404))
+        ids = self.engine.tokenizer.encode(text)
+        params = SamplingParams(n=req.n or 1, max_tokens=max_tokens, output_kind=(
+            RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY))
+        outputs = self.engine.generate({"prompt_token_ids": ids}, params, uuid.uuid4().hex)
+        if req.stream:
+            return self._events(req, outputs)
+        final = None
+        async for out in outputs:
+            final = out
+        return StandInBody(model=req.model, choices=[
+            {"index": c.index, "text": c.text, "finish_reason": c.finish_reason}
+            for c in final.outputs])
+
+    @staticmethod
+    async def _events(req, outputs):
+        try:
+            async for out in outputs:
+                for c in out.outputs:
+                    chunk = {"model": req.model, "choices": [
+                        {"index": c.index, "text": c.text, "finish_reason": c.finish_reason}]}
+                    yield f"data: {json.dumps(chunk)}\n\n"
+        except EngineGenerateError:  # as vLLM's streams report it: in-band, integer code
+            error = {"message": "internal server error", "type": "InternalServerError", "code": 500}
+            yield f"data: {json.dumps({'error': error})}\n\n"
+        finally:
+            await outputs.aclose()
+        yield "data: [DONE]\n\n"
+
+    async def create_tokenize(self, req, raw_request):
+        tokens = self.engine.tokenizer.encode(req.prompt)
+        return StandInBody(count=len(tokens), tokens=tokens)
+
+    async def show_available_models(self):
+        return StandInBody(object="list", data=[{"id": name, "object": "model"}
+                                                 for name in self.served])
+
+
+class StandInBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+def stand_in_serving(engine: StandInEngine, served: list[str]):
+    """An `init` for build_app: the stand-in serving objects on the app's state."""
+    async def init(_engine, _args, state) -> None:
+        serving = StandInServing(engine, served)
+        state.openai_serving_completion = state.openai_serving_chat = serving
+        state.openai_serving_models = state.serving_tokenization = serving
+    return init
+
+
+async def stand_in_app(engine: StandInEngine, served: list[str] = (SERVED,), **kw):
+    from neuron_serve.server.app import build_app
+
+    return await build_app(engine, SimpleNamespace(), init=stand_in_serving(engine, list(served)),
+                           **kw)
 
 
 def sse_events(body: str) -> list[str]:
