@@ -7,7 +7,7 @@ covers many cases rather than a few long generations, and they name the served m
 import schemathesis
 
 SERVED_MODEL = "tiny"
-CAPS = {"max_tokens": 8, "max_completion_tokens": 8, "min_tokens": 8, "n": 2,
+CAPS = {"max_tokens": 8, "max_completion_tokens": 8, "max_output_tokens": 8, "min_tokens": 8, "n": 2,
         "top_logprobs": 2, "logprobs": 2}
 
 
