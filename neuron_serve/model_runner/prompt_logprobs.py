@@ -63,6 +63,7 @@ class PromptLogprobs:
                 self.remove(req_id)
         return done
 
+    @torch.no_grad()
     def _fill(self, tensors: LogprobsTensors, first: int, rows: torch.Tensor,
               targets: list[int], k: int) -> None:
         logits = self.model.compute_logits(rows)

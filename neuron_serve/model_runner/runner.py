@@ -190,9 +190,8 @@ class NeuronModelRunner:
             self.background = None
         self.graphs.buffers[plan.bucket].fill(arrays)
         logits, hidden = self.graphs.run(plan.bucket, plan.num_tokens)
-        with torch.no_grad():
-            prompt_logprobs = self.prompt_logprobs.compute(hidden, self.requests,
-                                                           batch.req_id_to_index, num_scheduled)
+        prompt_logprobs = self.prompt_logprobs.compute(hidden, self.requests,
+                                                       batch.req_id_to_index, num_scheduled)
         self._pending = (plan, logits[:n], scheduler_output, prompt_logprobs)
         return None  # sample_tokens follows, with the grammar bitmask if any
 
