@@ -13,8 +13,6 @@ from neuron_serve.server import fields
 from neuron_serve.server.errors import ServerError
 
 SCHEMAS = json.loads((Path(__file__).parents[1] / "data" / "openai_schemas.json").read_text())
-# In vLLM's models, but not honoured as OpenAI means them: our rules decide these too.
-VLLM_KNOWN_BUT_RULED = {"stream_options"}
 
 
 def openai_fields(name: str) -> set[str]:
