@@ -185,13 +185,21 @@ FRONTEND_FLAGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                   json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})]
 
 
+def serve_tiny(kind: str, checkpoint: Path, log_dir: Path, flags: list[str]) -> RunningServer:
+    """`neuron-serve serve` (kind "neuron-serve") or `vllm serve --device neuron` ("vllm-serve")
+    on `checkpoint`, served as `tiny` with the test engine flags and `flags`."""
+    port = free_port()
+    head = {"neuron-serve": [str(VENV_BIN / "neuron-serve"), "serve", str(checkpoint)],
+            "vllm-serve": [str(VENV_BIN / "vllm"), "serve", str(checkpoint), "--device", "neuron"]}
+    cmd = [*head[kind], "--port", str(port), "--served-model-name", "tiny", *TEST_ENGINE_FLAGS,
+           *flags]
+    return start_server(cmd, port, log_dir / f"{kind}.log")
+
+
 @pytest.fixture(scope="session")
 def tiny_server(tiny_llama, tmp_path_factory) -> Iterator[RunningServer]:
     """`neuron-serve serve` on the tiny Llama checkpoint, served as `tiny`."""
-    port = free_port()
-    cmd = [str(VENV_BIN / "neuron-serve"), "serve", str(tiny_llama), "--port", str(port),
-           "--served-model-name", "tiny", *TEST_ENGINE_FLAGS, *FRONTEND_FLAGS]
-    server = start_server(cmd, port, tmp_path_factory.mktemp("logs") / "tiny_server.log")
+    server = serve_tiny("neuron-serve", tiny_llama, tmp_path_factory.mktemp("logs"), FRONTEND_FLAGS)
     yield server
     server.stop()
 
@@ -199,9 +207,6 @@ def tiny_server(tiny_llama, tmp_path_factory) -> Iterator[RunningServer]:
 @pytest.fixture(scope="session")
 def vllm_server(tiny_llama, tmp_path_factory) -> Iterator[RunningServer]:
     """vLLM's own OpenAI server, `vllm serve --device neuron`, on the same checkpoint."""
-    port = free_port()
-    cmd = [str(VENV_BIN / "vllm"), "serve", str(tiny_llama), "--device", "neuron",
-           "--port", str(port), "--served-model-name", "tiny", *TEST_ENGINE_FLAGS, *FRONTEND_FLAGS]
-    server = start_server(cmd, port, tmp_path_factory.mktemp("logs") / "vllm_serve.log")
+    server = serve_tiny("vllm-serve", tiny_llama, tmp_path_factory.mktemp("logs"), FRONTEND_FLAGS)
     yield server
     server.stop()

@@ -16,7 +16,14 @@ from typing import Any
 import torch
 
 from neuron_serve.models.corpus import topic_documents
-from neuron_serve.models.tokenizer import END, EOS, save_hf_tokenizer, special_token_ids, train_bpe
+from neuron_serve.models.tokenizer import (
+    END,
+    EOS,
+    THINK_TOKENS,
+    save_hf_tokenizer,
+    special_token_ids,
+    train_bpe,
+)
 
 TOKENIZER_VOCAB = 1024
 
@@ -45,7 +52,13 @@ _INIT_SCALES = {"default": dict(embed_std=0.5, out_proj_gain=1.0),
 
 @functools.cache
 def _tokenizer(vocab_size: int):
-    return train_bpe(topic_documents().values(), vocab_size)
+    """`vocab_size` tokens, the last two `<think>` and `</think>`: added, not special (kept in
+    decoded text), as in Qwen3's tokenizer, so vLLM's reasoning parsers find them."""
+    from tokenizers import AddedToken
+
+    tok = train_bpe(topic_documents().values(), vocab_size - len(THINK_TOKENS))
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
+    return tok
 
 
 def make_config(family: str, **overrides: Any):

@@ -10,6 +10,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 USER, ASSISTANT, SYSTEM, END = "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, USER, ASSISTANT, SYSTEM, END]
+# Reasoning delimiters for the test checkpoints (vLLM's `deepseek_r1` and `qwen3` parsers
+# look them up as single tokens).
+THINK_TOKENS = ["<think>", "</think>"]
 
 # Each turn is "<|role|>\n{content}<|end|>\n"; generation is prompted with "<|assistant|>\n"
 # and stops at <|end|> (declared as an end-of-sequence token in generation_config.json).
