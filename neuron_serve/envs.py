@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     NEURON_SERVE_COMPILE_MODE: str
     NEURON_SERVE_PROFILE_DIR: str
     NEURON_SERVE_KERNEL_DIR: str
+    NEURON_SERVE_RANKS_ON_HOST: int
 
 
 def _choice(name: str, default: str, choices: tuple[str, ...]) -> Callable[[], str]:
@@ -46,6 +47,17 @@ def _positive_float(name: str) -> Callable[[], float | None]:
         if value <= 0:
             raise ValueError(f"{name}={raw!r} must be positive")
         return value
+    return parse
+
+
+def _positive_int(name: str, default: int) -> Callable[[], int]:
+    def parse() -> int:
+        raw = os.environ.get(name, "").strip()
+        if not raw:
+            return default
+        if not raw.isdigit() or int(raw) < 1:
+            raise ValueError(f"{name}={raw!r} must be a positive integer")
+        return int(raw)
     return parse
 
 
@@ -83,6 +95,9 @@ _PARSERS: dict[str, Callable[[], Any]] = {
     # Where POST /admin/profile/stop writes traces and per-operator Parquet files;
     # `neuron-serve serve --profile-dir` wins.
     "NEURON_SERVE_PROFILE_DIR": _under_cache_home("NEURON_SERVE_PROFILE_DIR", "profiles"),
+    # Set by the platform, read by its worker processes: the model ranks on this host
+    # (tensor × local data parallel), which share the emulated device's cores and memory.
+    "NEURON_SERVE_RANKS_ON_HOST": _positive_int("NEURON_SERVE_RANKS_ON_HOST", 1),
 }
 _cache: dict[str, Any] = {}
 

@@ -10,7 +10,7 @@ import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-from neuron_serve import device
+from neuron_serve import device, envs
 from neuron_serve.attention import BACKEND_NAME, BACKEND_PATH
 from neuron_serve.logs import init_logger
 from neuron_serve.plugin import DEVICE
@@ -52,12 +52,31 @@ def _spawn_workers() -> None:
                     "in its first torch op")
 
 
+def _check_parallel(parallel) -> None:
+    """Tensor and data parallel are served; the other kinds are refused by name. The
+    workers learn how many model ranks share this host (the emulated device divides its
+    cores and memory between them) from the environment they inherit: inside an engine,
+    vLLM has already reduced the data-parallel size to the engine's own."""
+    refused = {"--pipeline-parallel-size": parallel.pipeline_parallel_size,
+               "--decode-context-parallel-size": parallel.decode_context_parallel_size,
+               "--prefill-context-parallel-size": parallel.prefill_context_parallel_size}
+    for flag, size in refused.items():
+        if size > 1:
+            raise NotImplementedError(
+                f"{flag} {size}: the neuron platform shards a model by tensor parallel "
+                "(--tensor-parallel-size) and replicates it by data parallel "
+                "(--data-parallel-size); pipeline and context parallel are not supported")
+    ranks = parallel.tensor_parallel_size * parallel.data_parallel_size_local
+    os.environ["NEURON_SERVE_RANKS_ON_HOST"] = str(ranks)
+    envs.reset_cache()
+
+
 class NeuronPlatform(Platform):
     _enum = PlatformEnum.OOT
     device_name: str = _DEVICE.torch_device.type
     device_type: str = _DEVICE.torch_device.type
     dispatch_key: str = _DEVICE.dispatch_key
-    dist_backend: str = "gloo"
+    dist_backend: str = _DEVICE.dist_backend
     simple_compile_backend: str = _DEVICE.compile_backend
 
     @property
@@ -144,8 +163,7 @@ class NeuronPlatform(Platform):
         parallel = vllm_config.parallel_config
         if parallel.worker_cls == "auto":
             parallel.worker_cls = WORKER_PATH
-        if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
-            raise NotImplementedError("neuron-serve runs tensor/pipeline parallel size 1 only")
+        _check_parallel(parallel)
         cache = vllm_config.cache_config
         if not cache.user_specified_block_size:
             cache.block_size = DEFAULT_BLOCK_SIZE

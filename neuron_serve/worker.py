@@ -15,11 +15,12 @@ from collections.abc import Iterator
 
 import torch
 from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.platforms import current_platform
 from vllm.utils.torch_utils import set_random_seed
 from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
-from neuron_serve import device
+from neuron_serve import device, envs
 from neuron_serve.logs import init_logger
 from neuron_serve.model_runner.runner import NeuronModelRunner
 from neuron_serve.profiler import StepProfiler
@@ -36,10 +37,14 @@ class NeuronWorker(WorkerBase):
 
     def init_device(self) -> None:
         dev = device.current()
-        dev.init_worker_process()
+        # This rank's place among the host's model ranks: vLLM numbers a data-parallel
+        # engine's devices after those of the engines before it.
+        slot = current_platform.device_id_to_physical_device_id(self.local_rank)
+        dev.init_worker_process(slot, envs.NEURON_SERVE_RANKS_ON_HOST)
         self.device = dev.torch_device
         init_worker_distributed_environment(self.vllm_config, self.rank,
-                                            self.distributed_init_method, self.local_rank, "gloo")
+                                            self.distributed_init_method, self.local_rank,
+                                            current_platform.dist_backend)
         set_random_seed(self.model_config.seed)
         self.model_runner = NeuronModelRunner(self.vllm_config, self.device)
 
@@ -58,19 +63,27 @@ class NeuronWorker(WorkerBase):
         capacity × --gpu-memory-utilization, minus weights and the largest step's scratch."""
         self.model_runner.config.check_attention_scratch(self._kv_heads_and_head_size())
         explicit = self.cache_config.kv_cache_memory_bytes
-        if explicit:
-            return int(explicit)
         dev = device.current()
+        ranks = envs.NEURON_SERVE_RANKS_ON_HOST
+        if explicit:
+            share = dev.rank_memory_bytes(ranks)
+            if ranks > 1 and explicit > share:
+                raise ValueError(
+                    f"--kv-cache-memory-bytes {explicit} is per rank, and {ranks} ranks share "
+                    f"this host's {dev.backend} memory: at most {share} bytes each "
+                    f"({dev.capacity_hint})")
+            return int(explicit)
         model = self.model_runner.model
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         weights += dev.extra_weight_bytes(model)  # e.g. prepacked copies
         scratch = self.model_runner.config.attention_scratch_bytes(self._kv_heads_and_head_size())
-        budget = dev.total_memory_bytes() * self.cache_config.gpu_memory_utilization
+        budget = dev.rank_memory_bytes(ranks) * self.cache_config.gpu_memory_utilization
         available = int(budget - weights - scratch)
         if available <= 0:
             raise ValueError(
                 f"no memory left for the KV cache: budget {budget / 2**30:.1f} GiB "
-                f"({dev.backend} capacity × gpu_memory_utilization) minus weights "
+                f"({dev.backend} capacity × gpu_memory_utilization"
+                f"{f', ÷ {ranks} ranks on this host' if ranks > 1 else ''}) minus weights "
                 f"{weights / 2**30:.1f} GiB and step scratch {scratch / 2**30:.1f} GiB. "
                 f"Pass --kv-cache-memory-bytes or raise --gpu-memory-utilization; {dev.capacity_hint}.")
         logger.info("KV cache budget %.2f GiB (weights %.2f GiB, scratch %.2f GiB)",

@@ -36,6 +36,8 @@ class Device:
     # and any KV-cache size. A static-shape compiler needs them concrete: one graph per
     # block bucket, keyed by the KV-cache size.
     symbolic_context: bool = False
+    # torch.distributed backend of the tensor-parallel group's collectives.
+    dist_backend: str = "gloo"
 
     def compute_dtype(self, requested: torch.dtype) -> torch.dtype:
         """The dtype to compute in: the requested one, except half precision where the
@@ -49,6 +51,11 @@ class Device:
     def total_memory_bytes(self) -> int:
         raise NotImplementedError
 
+    def rank_memory_bytes(self, ranks_on_host: int) -> int:
+        """The memory one of `ranks_on_host` model ranks may budget: by default each rank
+        has a device of its own."""
+        return self.total_memory_bytes()
+
     @property
     def capacity_hint(self) -> str:
         """How a user changes total_memory_bytes(), for error messages."""
@@ -60,8 +67,9 @@ class Device:
 
         Platform.import_kernels()
 
-    def init_worker_process(self) -> None:
-        """Per-process setup before vLLM loads a model on this device."""
+    def init_worker_process(self, slot: int = 0, ranks_on_host: int = 1) -> None:
+        """Per-process setup before vLLM loads a model on this device: model rank `slot`
+        of the `ranks_on_host` on this host (tensor × data parallel)."""
 
     def prepare_model(self, model: nn.Module) -> None:
         """Rewrite a loaded model for this device (kernels, weight layouts)."""

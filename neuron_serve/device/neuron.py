@@ -20,6 +20,7 @@ class NeuronDevice(Device):
     answers only once all are ready. Shapes are fully static (`symbolic_context` off)."""
 
     backend = "neuron"
+    dist_backend = "neuron"  # registered by `import torch_neuronx` (TorchNeuron's torch.distributed guide)
 
     def __init__(self) -> None:
         try:

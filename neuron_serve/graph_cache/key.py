@@ -52,6 +52,18 @@ def architecture(vllm_config) -> dict:
     return {k: v for k, v in sorted(hf.items()) if k not in _NOT_SHAPING}
 
 
+def tensor_parallel(size: int) -> list:
+    """[rank, size, group]: a rank's graph holds its shard of the weights' shapes, and its
+    collectives name the tensor-parallel group (a name from torch's group counter, which
+    vLLM's fixed order of group creation makes the same in every process of a world)."""
+    if size == 1:
+        return [0, 1]
+    from vllm.distributed import parallel_state
+
+    group = parallel_state.get_tp_group()
+    return [group.rank_in_group, size, group.device_group.group_name]
+
+
 def graph_key(vllm_config, bucket: Bucket, num_blocks: int | None,
               compile_options: dict) -> GraphKey:
     model = vllm_config.model_config
@@ -64,7 +76,7 @@ def graph_key(vllm_config, bucket: Bucket, num_blocks: int | None,
         "model_impl": str(model.model_impl),
         "bucket": [bucket.num_tokens, bucket.num_reqs, bucket.num_blocks, bucket.query_tile],
         "kv_cache": [num_blocks, vllm_config.cache_config.block_size],
-        "tensor_parallel": [parallel.rank, parallel.tensor_parallel_size],
+        "tensor_parallel": tensor_parallel(parallel.tensor_parallel_size),
         "compile": compile_options,
         "versions": versions(),
     })

@@ -16,6 +16,7 @@ import threading
 import time
 
 import torch
+import torch.distributed as dist
 import vllm.ir
 from vllm.config import set_current_vllm_config
 from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
@@ -52,6 +53,38 @@ def _lowest_priority() -> None:
         os.nice(19)
 
 
+def _init_distributed(vllm_config) -> None:
+    """vLLM's parallel state, as the serving rank has it. Tensor-parallel ranks compile in
+    a world without peers: torch's fake process group, whose collectives only keep shapes,
+    so this rank's graphs trace its shard and name its group, as the rank's own world does
+    when it runs them (vLLM creates the groups in a fixed order; the group's name is part
+    of every graph's key)."""
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size == 1:
+        init_worker_distributed_environment(vllm_config, 0, f"tcp://127.0.0.1:{_free_port()}",
+                                            0, "gloo")
+        return
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+    rank = parallel.rank
+    dist.init_process_group("fake", store=FakeStore(), rank=rank,
+                            world_size=parallel.world_size)
+    real_new_group, real_queue = dist.new_group, MessageQueue.create_from_process_group
+
+    def fake_new_group(*args, **kwargs):  # vLLM's CPU-side groups ask for gloo by name
+        return real_new_group(*args, **{**kwargs, "backend": "fake"})
+
+    def no_queue(*args, **kwargs) -> None:  # the broadcast queue waits for its peers
+        return None
+
+    dist.new_group, MessageQueue.create_from_process_group = fake_new_group, no_queue
+    try:
+        init_worker_distributed_environment(vllm_config, rank, "env://", rank, "fake")
+    finally:
+        dist.new_group, MessageQueue.create_from_process_group = real_new_group, real_queue
+
+
 def main(index: int) -> None:
     _exit_with_parent()
     _lowest_priority()
@@ -67,8 +100,7 @@ def main(index: int) -> None:
     vllm_config.kernel_config.ir_op_priority.set_default()
     vllm.ir.set_default_torch_wrap(vllm_config.compilation_config.ir_enable_torch_wrap)
     with set_current_vllm_config(vllm_config):
-        init_worker_distributed_environment(vllm_config, 0, f"tcp://127.0.0.1:{_free_port()}",
-                                            0, "gloo")
+        _init_distributed(vllm_config)
         runner = NeuronModelRunner(vllm_config, dev.torch_device)
         runner.load_model()
         runner.initialize_kv_cache(kv_cache_config)

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
+from vllm.distributed import parallel_state
 from vllm.forward_context import create_forward_context, override_forward_context
 
 from neuron_serve.buckets import Bucket
@@ -69,6 +70,10 @@ class StepGraphs:
         self.stats = GraphStats()
         self.num_compiles = 0
         self._warm_compiles: int | None = None
+        # Tensor-parallel ranks run a graph's collectives together: a graph's first run
+        # waits until every rank has all of its graphs, then all run them in one order.
+        self.lockstep = (parallel_state.model_parallel_is_initialized()
+                         and parallel_state.get_tensor_model_parallel_world_size() > 1)
 
     # ---- serving ---------------------------------------------------------------------
 
@@ -116,8 +121,18 @@ class StepGraphs:
                 progressed |= attempt(graph, blocking=False)
             if not progressed:
                 attempt(pending[0], blocking=True)
+        if self.lockstep and load:
+            self._first_runs_in_lockstep()
         self._warm_compiles = self.num_compiles
         return time.monotonic() - start
+
+    def _first_runs_in_lockstep(self) -> None:
+        """Every graph id once, in the same order on every rank, compiled or (still
+        missing) eager: each rank's compiles and loads took their own order and time, and
+        a graph run alone would wait for its collectives' peers forever."""
+        for graph in self.traced_on:
+            with self._traced_layers(graph):
+                self._smoke_run(graph, self.graphs.get(graph))
 
     def _graph_lock(self, graph: Bucket, blocking: bool):
         if self.cache is None:
@@ -179,7 +194,8 @@ class StepGraphs:
                                "without them", graph, options, type(error).__name__, error)
                 fn = self._aot_compile(graph, None)
             self.num_compiles += 1
-            self._smoke_run(graph, fn)
+            if not self.lockstep:
+                self._smoke_run(graph, fn)
         return fn
 
     def _aot_compile(self, graph: Bucket, options: dict | None) -> Callable:
@@ -219,19 +235,21 @@ class StepGraphs:
             return compile_regions.layers_inlined(self.model)
         return contextlib.nullcontext()
 
-    def _smoke_run(self, graph: Bucket, fn: Callable) -> None:
+    def _smoke_run(self, graph: Bucket, fn: Callable | None) -> None:
+        """One padding-only run of a graph (`fn`), or of the eager step (None)."""
         bucket = self.traced_on[graph]
         buf = self.buffers[bucket]
         buf.fill({})
         with torch.no_grad(), override_forward_context(self._contexts[bucket]):
-            logits, _ = fn(self.model, buf.input_ids, buf.positions, buf.logits_indices)
+            logits, _ = (fn or step)(self.model, buf.input_ids, buf.positions, buf.logits_indices)
         if logits.shape[0] != bucket.num_reqs:
             raise RuntimeError(f"graph returned {tuple(logits.shape)} logits for bucket {bucket}")
         # The call above checked dynamo's guards; every later call passes the same model and
         # the same persistent buffers, so re-checking them would be pure overhead, and a
         # visible share of a short decode step (measured: benchmarks/README.md, "Design
         # measurements").
-        fn.disable_guard_check()
+        if fn is not None:
+            fn.disable_guard_check()
 
     def load_ready(self, graphs: Iterable[Bucket]) -> list[Bucket]:
         """Load whichever of `graphs` the cache now has (background compilation)."""

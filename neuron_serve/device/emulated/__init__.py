@@ -25,7 +25,7 @@ from torch import nn
 from neuron_serve import envs
 from neuron_serve.attention import kernels
 from neuron_serve.device.base import Device
-from neuron_serve.device.emulated import attention, extension, skinny_matmul
+from neuron_serve.device.emulated import attention, extension, setup, skinny_matmul
 from neuron_serve.logs import init_logger
 
 logger = init_logger(__name__)
@@ -35,8 +35,8 @@ MEMORY_FRACTION = 0.25  # of physical RAM, unless NEURON_SERVE_EMULATED_MEMORY_G
 kernels.register("cpu", attention.kernel_set)
 
 
-# linear.py (vLLM's layers) and setup.py (inductor) are imported where they are used: the
-# device is built while vLLM resolves its platform, before its model code can be imported.
+# linear.py (vLLM's layers) is imported where it is used: the device is built while vLLM
+# resolves its platform, before its model code can be imported.
 
 
 class EmulatedDevice(Device):
@@ -56,10 +56,16 @@ class EmulatedDevice(Device):
         self.dispatch_key = "CPU"
         self.native_bf16 = cpu_has_native_bf16()
         self.attention_kernel = "cpu" if extension.cpu_supported() else "reference"
+        setup.every_process()
 
     def total_memory_bytes(self) -> int:
         gib = envs.NEURON_SERVE_EMULATED_MEMORY_GB
         return int(gib * 2**30) if gib else int(psutil.virtual_memory().total * MEMORY_FRACTION)
+
+    def rank_memory_bytes(self, ranks_on_host: int) -> int:
+        """The ranks on a host share its one emulated capacity (Trainium's ranks each have
+        a core's own memory)."""
+        return self.total_memory_bytes() // ranks_on_host
 
     @property
     def capacity_hint(self) -> str:
@@ -73,10 +79,9 @@ class EmulatedDevice(Device):
 
         CpuPlatform.import_kernels()
 
-    def init_worker_process(self) -> None:
-        from neuron_serve.device.emulated import setup
-
+    def init_worker_process(self, slot: int = 0, ranks_on_host: int = 1) -> None:
         setup.worker_process()
+        setup.share_cores(slot, ranks_on_host)
 
     def prepare_model(self, model: nn.Module) -> None:
         """Linear layers on oneDNN with prepacked weights, decode-sized ones on our own
@@ -94,13 +99,9 @@ class EmulatedDevice(Device):
         return linear.packed_weight_bytes(model)
 
     def kv_cache_memory(self) -> contextlib.AbstractContextManager:
-        from neuron_serve.device.emulated import setup
-
         return setup.kv_cache_allocation()
 
     def use_compiler_cache(self, directory: Path) -> None:
-        from neuron_serve.device.emulated import setup
-
         setup.inductor_cache(directory)
 
     def compile_options(self) -> dict:
@@ -114,10 +115,10 @@ class EmulatedDevice(Device):
         """Decode graphs call their kernels from inductor's C++ wrapper, not its Python one,
         whose per-kernel overhead is a large share of a short decode step; mixed steps are
         long enough not to notice and keep the Python wrapper, which builds faster."""
-        return {"cpp_wrapper": True} if decode else None
+        return {"cpp_wrapper": True} if _cpp_wrapper(decode) else None
 
     def inline_layers(self, decode: bool) -> bool:
-        return decode  # inductor's C++ wrapper cannot emit compile regions
+        return _cpp_wrapper(decode)  # inductor's C++ wrapper cannot emit compile regions
 
     def _linear_kernels(self) -> str:
         from neuron_serve.device.emulated import linear
@@ -126,6 +127,17 @@ class EmulatedDevice(Device):
             return "aten"
         rows = skinny_matmul.max_rows()
         return f"onednn-packed+skinny<={rows}" if rows else "onednn-packed"
+
+
+def _cpp_wrapper(decode: bool) -> bool:
+    """Decode graphs without tensor parallel: inductor's C++ wrapper has no call for the
+    all-gather of the logits' vocabulary shards (torch 2.13: "arg type Any is not yet
+    supported by custom_op_wrapper")."""
+    from vllm.distributed import parallel_state
+
+    sharded = (parallel_state.model_parallel_is_initialized()
+               and parallel_state.get_tensor_model_parallel_world_size() > 1)
+    return decode and not sharded
 
 
 @functools.cache

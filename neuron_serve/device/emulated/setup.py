@@ -10,6 +10,7 @@ is made here, once per process, and logged once at INFO with what it changes and
 * `TORCHINDUCTOR_CACHE_DIR`: inside the compiled-graph cache, so that the kernels a graph
   was built from are cached, pruned and exported with it.
 * `torch.zeros`, for vLLM's one KV-cache allocation only: kv_memory.py's huge pages.
+* CPU affinity and torch's thread count of a model rank: its share of the host's cores.
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from torch._inductor import config as inductor_config
-from torch._inductor.codegen import cpp as cpp_codegen
 
 from neuron_serve.device.emulated import inductor_strides, kv_memory
 from neuron_serve.logs import init_logger
@@ -36,8 +35,9 @@ def _log_once(what: str, why: str) -> None:
 
 
 @functools.cache
-def worker_process() -> None:
-    """The patches every process that runs a model needs."""
+def every_process() -> None:
+    """The patches every process that resolves the platform needs: an engine process
+    whose workers are its children still flushes the accelerator at shutdown."""
     # Distinct functions: Dynamo keys its handling of a callable on the object.
     def empty_cache(*args, **kwargs) -> None:
         pass
@@ -53,6 +53,15 @@ def worker_process() -> None:
     torch.accelerator.synchronize = synchronize
     _log_once("torch.accelerator.empty_cache, empty_host_cache and synchronize are no-ops",
               "vLLM calls them; they raise without an accelerator")
+
+
+@functools.cache
+def worker_process() -> None:
+    """The patches every process that runs a model needs."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.codegen import cpp as cpp_codegen
+
+    every_process()
     cpp_codegen.stride_at_vec_range = inductor_strides.stride_at_vec_range
     _log_once("inductor's stride_at_vec_range answers affine indices without sympy.simplify",
               "same kernels, less compile time")
@@ -60,6 +69,25 @@ def worker_process() -> None:
     _log_once("inductor trusts the CPU's flags for its vector ISA (cpp.vec_isa_ok)",
               "else every compiling process builds and dlopen-probes a test program per ISA: "
               "seconds before its first graph")
+
+
+def share_cores(slot: int, ranks_on_host: int) -> None:
+    """Model rank `slot` of `ranks_on_host` (tensor × data parallel) runs on its own slice
+    of this process's cores; with more ranks than cores, one core each, shared."""
+    if ranks_on_host <= 1:
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    per_rank = len(cores) // ranks_on_host
+    if per_rank:
+        mine = cores[slot * per_rank:(slot + 1) * per_rank]
+    else:
+        mine = [cores[slot % len(cores)]]
+        logger.warning("emulated backend: %d model ranks on %d cores: each runs one thread, "
+                       "and ranks share cores", ranks_on_host, len(cores))
+    os.sched_setaffinity(0, mine)
+    torch.set_num_threads(len(mine))
+    logger.info("emulated backend: model rank %d of %d on this host runs on cores %s",
+                slot, ranks_on_host, mine)
 
 
 def inductor_cache(directory: Path) -> None:
