@@ -21,7 +21,7 @@ def dp_server(request, tiny_llama, tmp_path_factory):
                         ["--data-parallel-size", "2", "--compile-mode", "eager"]
                         if request.param == "neuron-serve" else
                         ["--data-parallel-size", "2", "--enforce-eager"])
-    yield server
+    yield request.param, server
     server.stop()
 
 
@@ -35,8 +35,13 @@ async def completions(base_url: str) -> list[str]:
 
 
 def test_both_engines_serve_and_answer_as_one_engine_does(dp_server, tiny_server):
+    kind, dp_server = dp_server
     texts = asyncio.run(completions(dp_server.base_url))
     per_engine = [metric(dp_server.base_url, "vllm:request_success_total", engine=str(e))
                   for e in (0, 1)]
     assert sum(per_engine) >= REQUESTS and min(per_engine) > 0, per_engine
+    if kind == "neuron-serve":  # ours, labelled as vLLM labels its own
+        ours = [metric(dp_server.base_url, "neuron_serve:real_tokens_total", engine=str(e),
+                       model_name="tiny") for e in (0, 1)]
+        assert min(ours) > 0, ours
     assert texts == asyncio.run(completions(tiny_server.base_url))

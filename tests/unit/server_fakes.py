@@ -54,7 +54,11 @@ class StandInEngine:
     generation fails."""
 
     def __init__(self, tokenizer, max_model_len: int = MAX_MODEL_LEN):
-        self.model_config = SimpleNamespace(max_model_len=max_model_len, model="/models/tiny")
+        self.model_config = SimpleNamespace(max_model_len=max_model_len, model="/models/tiny",
+                                            served_model_name="tiny")
+        # One data-parallel engine, as vLLM's client names it.
+        self.engine_core = SimpleNamespace(core_engines=[(0).to_bytes(2, "little")],
+                                           call_utility_all_async=self._on_every_engine)
         self.tokenizer = tokenizer
         self.word_ids = sorted(i for i in range(len(tokenizer))
                                if re.fullmatch(r" [a-z]{3,}", tokenizer.decode([i])))
@@ -78,6 +82,10 @@ class StandInEngine:
     async def collective_rpc(self, method: str, timeout=None, args: tuple = (), kwargs=None):
         self.rpc_calls.append((method, args))
         return self.rpc_results.get(method, [None])
+
+    async def _on_every_engine(self, utility: str, method: str, timeout, args, kwargs) -> list:
+        assert utility == "collective_rpc"
+        return [await self.collective_rpc(method, timeout, args, kwargs)]
 
     async def wait_for_running(self, n: int, timeout: float = 5.0) -> None:
         """Until `n` generations have been submitted and not finished."""
