@@ -253,7 +253,8 @@ def _mounted(path: str, container: dict) -> bool:
 
 # Settings that shape the compiled graphs: the precompiling containers must agree with the server.
 GRAPH_SETTINGS = ("model_path", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "dtype",
-                  "kv_cache_memory_bytes", "tensor_parallel_size", "block_size", "token_buckets",
+                  "kv_cache_memory_bytes", "tensor_parallel_size", "data_parallel_size",
+                  "block_size", "token_buckets",
                   "request_buckets", "block_buckets")
 
 
@@ -285,8 +286,8 @@ def test_commands_parse_and_precompile_the_servers_graphs(rendered, composition,
     if cores:
         env = {e["name"]: e.get("value") for e in container["env"]}
         assert env["NEURON_LOGICAL_NC_CONFIG"] == "2"
-        assert args.tensor_parallel_size == cores, "one rank per logical NeuronCore"
-        assert args.tensor_parallel_size == 1, "the neuron platform runs tensor-parallel size 1"
+        assert args.tensor_parallel_size * args.data_parallel_size == cores, \
+            "one rank per logical NeuronCore"
 
 
 def test_dockerfile_matches_the_project_and_the_manifests(rendered):
