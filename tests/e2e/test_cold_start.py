@@ -14,7 +14,15 @@ import httpx
 import openai
 import psutil
 import pytest
-from conftest import FEW_BUCKETS, VENV_BIN, RunningServer, engine_flags, free_port, start_server
+from conftest import (
+    FEW_BUCKETS,
+    VENV_BIN,
+    RunningServer,
+    engine_flags,
+    free_port,
+    metric,
+    start_server,
+)
 from oracles import hf_greedy, prompts
 
 from neuron_serve.graph_cache.store import GraphCache
@@ -134,9 +142,8 @@ def test_require_precompiled_refuses_until_neuron_serve_compile_fills_the_cache(
     assert "4/4 graphs ready" in filled.stdout
     server = start_server(cmd, port, tmp_path / "strict.log")
     try:
-        metrics = httpx.get(f"{server.base_url}/metrics").text
-        assert "neuron_serve:graphs_ready 4.0" in metrics
-        assert "neuron_serve:graph_cache_misses_total 0.0" in metrics
+        assert metric(server.base_url, "neuron_serve:graphs_ready") == 4
+        assert metric(server.base_url, "neuron_serve:graph_cache_misses_total") == 0
         prompt = prompts()[2]
         assert tokens(server, prompt) == hf_greedy(tiny_llama, prompt)
     finally:

@@ -37,7 +37,10 @@ def serve_cmd(model, port: int, cache_dir, *extra: str) -> list[str]:
 
 def metrics(server) -> dict[str, float]:
     text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
-    return {m[1]: float(m[2]) for m in re.finditer(r"^neuron_serve:(\w+) ([0-9.e+-]+)$", text, re.M)}
+    totals: dict[str, float] = {}  # each series summed over its labels (engine, bucket)
+    for m in re.finditer(r"^neuron_serve:(\w+)(?:\{[^}]*\})? ([0-9.e+-]+)$", text, re.M):
+        totals[m[1]] = totals.get(m[1], 0.0) + float(m[2])
+    return totals
 
 
 def completion_tokens(server, prompt: list[int]) -> list[int]:
