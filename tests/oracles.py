@@ -44,5 +44,13 @@ def greedy(llm: LLM, batch: list[list[int]], n: int = NEW_TOKENS):
     return llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
 
 
+def seeded_draw(llm: LLM, seed: int) -> list[int]:
+    """12 sampled tokens (temperature 1, top-p 0.9, top-k 50) of a fixed prompt, seeded."""
+    params = SamplingParams(max_tokens=12, min_tokens=12, temperature=1.0, top_p=0.9, top_k=50,
+                            seed=seed)
+    return list(llm.generate({"prompt_token_ids": prompts()[1]}, params,
+                             use_tqdm=False)[0].outputs[0].token_ids)
+
+
 def english_words(documents) -> set[str]:
     return {w.lower() for doc in documents["train"] for w in re.findall(r"[A-Za-z]+", doc)}

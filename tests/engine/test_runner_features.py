@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 import torch
-from oracles import greedy, hf_greedy, hf_model, make_llm, prompts
+from oracles import greedy, hf_greedy, hf_model, make_llm, prompts, seeded_draw
 from vllm import SamplingParams, envs
 
 pytestmark = pytest.mark.slow
@@ -76,12 +76,8 @@ def test_padding_does_not_change_outputs(llm):
 
 
 def test_seeded_sampling_is_reproducible_and_varies_with_the_seed(llm):
-    prompt = {"prompt_token_ids": prompts()[1]}
-    draw = lambda seed: llm.generate(prompt, SamplingParams(  # noqa: E731
-        max_tokens=12, min_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=seed),
-        use_tqdm=False)[0].outputs[0].token_ids
-    assert draw(1) == draw(1)
-    assert draw(1) != draw(2)
+    assert seeded_draw(llm, 1) == seeded_draw(llm, 1)
+    assert seeded_draw(llm, 1) != seeded_draw(llm, 2)
 
 
 def test_logprobs_match_transformers(llm, tiny_llama):

@@ -12,8 +12,7 @@ import time
 
 import pytest
 from conftest import FEW_BUCKETS, VENV_BIN
-from oracles import greedy, hf_greedy, make_llm, prompts
-from vllm import SamplingParams
+from oracles import greedy, hf_greedy, make_llm, prompts, seeded_draw
 
 pytestmark = pytest.mark.slow
 
@@ -72,12 +71,8 @@ def test_prefix_cache_hit_gives_the_same_tokens(tp2, checkpoints):
 
 
 def test_seeded_sampling_is_reproducible_and_varies_with_the_seed(tp2):
-    prompt = {"prompt_token_ids": prompts()[1]}
-    draw = lambda seed: tp2.generate(prompt, SamplingParams(  # noqa: E731
-        max_tokens=12, min_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=seed),
-        use_tqdm=False)[0].outputs[0].token_ids
-    assert draw(1) == draw(1)
-    assert draw(1) != draw(2)
+    assert seeded_draw(tp2, 1) == seeded_draw(tp2, 1)
+    assert seeded_draw(tp2, 1) != seeded_draw(tp2, 2)
 
 
 def test_preemption_and_resume_keep_outputs_exact(checkpoints):
