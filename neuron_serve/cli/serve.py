@@ -79,9 +79,13 @@ async def _serve(args: argparse.Namespace) -> None:
         config = uvicorn.Config(lifecycle, host=args.host, port=args.port, log_level="info",
                                 access_log=False,  # ours: JSON lines with request ids
                                 timeout_graceful_shutdown=args.drain_timeout)
-        await DrainingServer(config, lifecycle).serve()
+        server = DrainingServer(config, lifecycle,
+                                engine_dead=lambda: engine.errored and not engine.is_running)
+        await server.serve()
     finally:
         engine.shutdown()
+    if server.engine_failed:
+        raise SystemExit(1)
 
 
 def run(args: argparse.Namespace) -> None:

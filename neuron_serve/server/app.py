@@ -27,7 +27,7 @@ from vllm.entrypoints.serve.tokenize.protocol import (
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from neuron_serve.server import fields
-from neuron_serve.server.errors import ServerError, register_error_handlers
+from neuron_serve.server.errors import ENGINE_STOPPED, ServerError, register_error_handlers
 from neuron_serve.server.metrics import render as render_metrics
 from neuron_serve.server.openai_api import (
     conform_chat,
@@ -80,8 +80,7 @@ async def build_app(engine: EngineClient, args: Namespace, *,
         try:
             await engine.check_health()
         except EngineDeadError as exc:
-            raise ServerError("the engine has stopped; restart the server",
-                              HTTPStatus.SERVICE_UNAVAILABLE) from exc
+            raise ServerError(ENGINE_STOPPED, HTTPStatus.SERVICE_UNAVAILABLE) from exc
         return PlainTextResponse("")
 
     async def answer(request: Request, work, conform=conform_error) -> Response:

@@ -15,6 +15,9 @@ from neuron_serve.server.protocol import ErrorInfo, ErrorResponse
 logger = logging.getLogger(__name__)
 
 
+ENGINE_STOPPED = "the engine has stopped; the server is exiting, retry on another replica"
+
+
 class ServerError(Exception):
     """An error meant for the client: `message` is shown as is, so keep internals out of it."""
 
@@ -29,9 +32,12 @@ def as_server_error(exc: Exception) -> ServerError:
     validation errors and raw ValueErrors are the client's: 400 naming the parameter where
     vLLM says which); a server-side failure says nothing of its internals."""
     from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+    from vllm.v1.engine.exceptions import EngineDeadError
 
     if isinstance(exc, ServerError):
         return exc
+    if isinstance(exc, EngineDeadError):
+        return ServerError(ENGINE_STOPPED, HTTPStatus.SERVICE_UNAVAILABLE)
     info = create_error_response(exc).error
     status = HTTPStatus(info.code)
     if status >= HTTPStatus.INTERNAL_SERVER_ERROR:

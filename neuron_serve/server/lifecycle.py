@@ -13,6 +13,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 
@@ -130,11 +131,17 @@ async def _reject(send, status: HTTPStatus, message: str, retry_after: bool = Fa
 
 class DrainingServer(uvicorn.Server):
     """uvicorn, except that the first SIGTERM/SIGINT drains before shutting down and the
-    process then exits 0 (uvicorn would re-raise the signal); a second signal exits at once."""
+    process then exits 0 (uvicorn would re-raise the signal); a second signal exits at once.
 
-    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle):
+    Once a second it asks `engine_dead`: an engine that stopped (a rank died, say) is not
+    coming back, so the server stops admitting and shuts down, and `engine_failed` tells the
+    caller to exit non-zero for the supervisor to restart it."""
+
+    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle,
+                 engine_dead: Callable[[], bool] = lambda: False):
         super().__init__(config)
-        self.lifecycle = lifecycle
+        self.lifecycle, self.engine_dead = lifecycle, engine_dead
+        self.engine_failed = False
 
     def handle_exit(self, sig, frame) -> None:
         if self.lifecycle.draining:
@@ -146,3 +153,9 @@ class DrainingServer(uvicorn.Server):
     async def _drain_then_exit(self, sig, frame) -> None:
         await self.lifecycle.drain()
         self.should_exit = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if counter % 10 == 0 and not self.engine_failed and self.engine_dead():
+            access_log.error("the engine has stopped: shutting down, exit status 1")
+            self.engine_failed = self.lifecycle.draining = self.should_exit = True
+        return await super().on_tick(counter)

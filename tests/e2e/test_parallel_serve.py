@@ -1,0 +1,113 @@
+"""Tensor and data parallel as real server processes, `neuron-serve serve` and `vllm serve
+--device neuron`, each on the tiny Llama.
+
+* `--tensor-parallel-size 2`: the same greedy answers as one rank; a rank killed
+  mid-serving stops the server (no hang), and ours says so on /health and exits 1.
+* `--data-parallel-size 2`: two engines behind one endpoint (vLLM's DP coordinator and load
+  balancing). Oracles: the same greedy requests on a server with one engine, and vLLM's
+  per-engine metrics (both engines finished requests).
+
+Eager throughout: the ranks' compiled numerics are tests/engine/test_tensor_parallel.py's;
+this tests the processes and the routing."""
+
+import asyncio
+import signal
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+from conftest import metric, serve_tiny
+
+pytestmark = pytest.mark.slow
+
+REQUESTS = 32
+
+
+EAGER = {"neuron-serve": ["--compile-mode", "eager"], "vllm-serve": ["--enforce-eager"]}
+# A dead engine is noticed once a second by ours, every 5 s by vLLM's watchdog.
+EXIT_WITHIN_S = 30
+
+
+def parallel_server(kind: str, checkpoint, log_dir, flags: list[str]):
+    return serve_tiny(kind, checkpoint, log_dir, [*flags, *EAGER[kind]])
+
+
+@pytest.fixture(scope="module", params=["neuron-serve", "vllm-serve"])
+def tp_server(request, tiny_llama, tmp_path_factory):
+    server = parallel_server(request.param, tiny_llama, tmp_path_factory.mktemp("logs"),
+                             ["--tensor-parallel-size", "2"])
+    yield request.param, server
+    server.stop()
+
+
+@pytest.fixture(scope="module", params=["neuron-serve", "vllm-serve"])
+def dp_server(request, tiny_llama, tmp_path_factory):
+    server = parallel_server(request.param, tiny_llama, tmp_path_factory.mktemp("logs"),
+                             ["--data-parallel-size", "2"])
+    yield request.param, server
+    server.stop()
+
+
+async def completions(base_url: str) -> list[str]:
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0,
+                                timeout=300)
+    answers = await asyncio.gather(*(
+        client.completions.create(model="tiny", prompt=f"request {i}: the", max_tokens=8,
+                                  temperature=0) for i in range(REQUESTS)))
+    return [a.choices[0].text for a in answers]
+
+
+def test_both_engines_serve_and_answer_as_one_engine_does(dp_server, tiny_server):
+    kind, dp_server = dp_server
+    texts = asyncio.run(completions(dp_server.base_url))
+    per_engine = [metric(dp_server.base_url, "vllm:request_success_total", engine=str(e))
+                  for e in (0, 1)]
+    assert sum(per_engine) >= REQUESTS and min(per_engine) > 0, per_engine
+    if kind == "neuron-serve":  # ours, labelled as vLLM labels its own
+        ours = [metric(dp_server.base_url, "neuron_serve:real_tokens_total", engine=str(e),
+                       model_name="tiny") for e in (0, 1)]
+        assert min(ours) > 0, ours
+    assert texts == asyncio.run(completions(tiny_server.base_url))
+
+
+def test_two_ranks_answer_as_one_does(tp_server, tiny_server):
+    _, server = tp_server
+    assert asyncio.run(completions(server.base_url)) == \
+        asyncio.run(completions(tiny_server.base_url))
+
+
+def rank_process(server, rank: int) -> psutil.Process:
+    """The worker of TP rank `rank`: vLLM titles it VLLM::Worker_TP<rank>."""
+    for proc in psutil.Process(server.proc.pid).children(recursive=True):
+        if f"Worker_TP{rank}" in " ".join(proc.cmdline()):
+            return proc
+    raise LookupError(f"no TP{rank} worker under {server.proc.pid}")
+
+
+def test_a_rank_killed_mid_serving_stops_the_server(tp_server):
+    """Runs after the parity test on the same server, which it ends. vLLM cannot replace a
+    lost rank: the server must stop (for its supervisor to restart it), not hang."""
+    kind, server = tp_server
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0,
+                           timeout=EXIT_WITHIN_S)
+    stream = client.completions.create(model="tiny", prompt="the", max_tokens=400,
+                                       extra_body={"ignore_eos": True}, stream=True)
+    next(iter(stream))  # generating
+    rank_process(server, 1).send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    with pytest.raises(openai.APIError):  # the stream ends in an error, not in 400 tokens
+        for _ in stream:
+            pass
+    health = set()
+    while server.proc.poll() is None and time.monotonic() - killed < EXIT_WITHIN_S:
+        try:
+            health.add(httpx.get(f"{server.base_url}/health", timeout=2).status_code)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    assert server.proc.poll() is not None, f"still running {EXIT_WITHIN_S} s after the kill"
+    if kind == "neuron-serve":  # vLLM's own server exits 0, its choice
+        assert 503 in health, health
+        assert server.proc.returncode == 1, server.log_tail()
