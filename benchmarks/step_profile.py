@@ -1,6 +1,8 @@
-"""Where a step's time goes on our platform: linear-layer matmuls, attention, the rest.
+"""Where a step's time goes on our platform: linear-layer matmuls, attention, collectives,
+the rest.
 
     .venv/bin/python benchmarks/step_profile.py [--model smollm2-135m] [--batches 1,8,32]
+        [--tensor-parallel-size N]
 
 Runs our engine (compiled; graph cache off, so every graph is built with inductor's kernel
 profiling) with compare.py's engine settings, records one generate per batch size with the
@@ -8,7 +10,9 @@ worker's step profiler, and splits every compiled step into matmuls (the linear 
 the LM head, on oneDNN or the skinny kernel), attention (our paged-attention kernels:
 paged_attention.cpp's ops, or the reference set's fused softmax kernels and batched
 matmuls) and everything else. A step with query tiles is a mixed (prefill) step, one
-without a decode step.
+without a decode step. At tensor parallel above 1, every rank's steps are split, and
+the collectives (the all-reduces and the logits' all-gather, with their waits) are a kind
+of their own: a rank's time in them includes waiting for the slower rank.
 Prints a markdown table and writes it to benchmarks/results/step_profile-<model>-<isa>.md.
 """
 
@@ -24,10 +28,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-KINDS = ("matmul", "attention", "other")
+KINDS = ("matmul", "attention", "collective", "other")
 
 
 def classify(name: str) -> str | None:
+    if name.startswith("_c10d_functional::"):  # all_reduce_, all_gather_into_tensor, wait_tensor
+        return "collective"
     if name in ("_C::onednn_mm", "neuron_serve::skinny_matmul"):
         return "matmul"
     # Query tiles: the reference set's batched matmuls, or the "cpu" set's op.
@@ -75,19 +81,22 @@ def summarize(steps: list[dict]) -> dict[str, dict]:
     return rows
 
 
-def markdown(model: str, results: dict[int, dict[str, dict]], prompt: int, output: int,
-             machine: str) -> str:
-    lines = [f"## Step profile, {model} shape (prompt {prompt}, output {output}; median step, ms)", "",
+def markdown(model: str, results: dict[tuple[int, int], dict[str, dict]], prompt: int,
+             output: int, machine: str, tp: int) -> str:
+    lines = [f"## Step profile, {model} shape, tensor parallel {tp} (prompt {prompt}, output "
+             f"{output}; median step, ms)", "",
              f"`.venv/bin/python {' '.join(['benchmarks/step_profile.py', *sys.argv[1:]])}`: "
              "inductor's kernel profiler inside "
              f"our compiled steps. Machine: {machine}.", "",
-             "| sequences | step | steps | step ms | matmuls | attention | other kernels | outside kernels |",
-             "|---|---|---|---|---|---|---|---|"]
-    for batch, rows in results.items():
+             "| sequences | rank | step | steps | step ms | matmuls | attention | collectives "
+             "| other kernels | outside kernels |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for (batch, rank), rows in results.items():
         for kind, r in rows.items():
             rest = r["ms"] - sum(r[k] for k in KINDS)
-            lines.append(f"| {batch} | {kind} | {r['steps']} | {r['ms']:.1f} | {r['matmul']:.1f} | "
-                         f"{r['attention']:.1f} | {r['other']:.1f} | {rest:.1f} |")
+            lines.append(f"| {batch} | {rank} | {kind} | {r['steps']} | {r['ms']:.1f} | "
+                         f"{r['matmul']:.1f} | {r['attention']:.1f} | {r['collective']:.1f} | "
+                         f"{r['other']:.1f} | {rest:.1f} |")
     return "\n".join(lines)
 
 
@@ -97,7 +106,9 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--output", type=int, default=128)
-    parser.add_argument("--name", help="file stem suffix (default: the ISA torch reports)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--name", help="file stem suffix (default: the ISA torch reports, and "
+                                       "tp<N> above 1)")
     args = parser.parse_args()
     os.environ["NEURON_SERVE_DEVICE"] = "neuron"
     os.environ["TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE"] = "1"
@@ -110,7 +121,8 @@ def main() -> None:
     model = checkpoint(args.model)
     llm = LLM(model=str(model), dtype="float32", seed=0, max_model_len=1024,
               max_num_seqs=max(batches), max_num_batched_tokens=256, kv_cache_memory_bytes=2 << 30,
-              enable_prefix_caching=False, additional_config={"neuron": {"cache_dir": "off"}})
+              enable_prefix_caching=False, tensor_parallel_size=args.tensor_parallel_size,
+              additional_config={"neuron": {"cache_dir": "off"}})
     params = SamplingParams(max_tokens=args.output, ignore_eos=True, temperature=0, detokenize=False)
     vocab = AutoConfig.from_pretrained(model).vocab_size
     results = {}
@@ -121,13 +133,15 @@ def main() -> None:
             llm.generate(requests, params, use_tqdm=False)  # warm
             llm.collective_rpc("start_step_profile", args=(tmp,))
             llm.generate(requests, params, use_tqdm=False)
-            trace = llm.collective_rpc("stop_step_profile")[0]["trace"]
-            results[batch] = summarize(split_steps(trace))
+            for rank, files in enumerate(llm.collective_rpc("stop_step_profile")):
+                results[(batch, rank)] = summarize(split_steps(files["trace"]))
     import hardware
     import torch
-    text = markdown(args.model, results, args.prompt, args.output, hardware.describe())
+    tp = args.tensor_parallel_size
+    text = markdown(args.model, results, args.prompt, args.output, hardware.describe(), tp)
     print(text)
-    suffix = args.name or torch.backends.cpu.get_cpu_capability().lower()
+    suffix = args.name or torch.backends.cpu.get_cpu_capability().lower() + \
+        (f"-tp{tp}" if tp > 1 else "")
     (HERE / "results" / f"step_profile-{args.model}-{suffix}.md").write_text(text + "\n")
 
 

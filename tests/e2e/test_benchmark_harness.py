@@ -41,7 +41,8 @@ def test_compare_writes_json_markdown_and_chart(tiny_llama, tmp_path):
 
 def test_step_profile_splits_each_compiled_step_by_kernel_kind(tmp_path):
     """benchmarks/step_profile.py's split of a trace: kernels fall in the graph call that
-    contains them; a call with query tiles (batched matmuls or our tile op) is a mixed step."""
+    contains them; a call with query tiles (batched matmuls or our tile op) is a mixed step;
+    collectives are a kind of their own."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     from step_profile import split_steps, summarize
 
@@ -53,6 +54,9 @@ def test_step_profile_splits_each_compiled_step_by_kernel_kind(tmp_path):
               kernel("neuron_serve::paged_attention", 4200, 700),
               kernel("cpp_fused_index_put_softmax_7", 5000, 3000),
               kernel("graph_0_cpp_fused_add_mul_rsqrt_2", 8500, 500),
+              # At tensor parallel above 1: an all-reduce and its wait.
+              kernel("_c10d_functional::all_reduce_", 9100, 250),
+              kernel("_c10d_functional::wait_tensor", 9400, 250),
               call(20_000, 30_000), kernel("_C::onednn_mm", 20_100, 12_000),
               kernel("aten::bmm", 33_000, 6000), kernel("graph_0_cpp_fused__softmax_3", 40_000, 2000),
               kernel("_C::onednn_mm", 60_000, 9000),  # outside every call: not counted
@@ -62,8 +66,9 @@ def test_step_profile_splits_each_compiled_step_by_kernel_kind(tmp_path):
               kernel("neuron_serve::paged_attention", 83_300, 1000)]
     (tmp_path / "t.json").write_text(json.dumps({"traceEvents": events}))
     steps = split_steps(str(tmp_path / "t.json"))
-    assert [(s["ms"], s["matmul"], s["attention"], s["other"]) for s in steps] == [
-        (10.0, 4.0, 3.7, 0.5), (30.0, 12.0, 8.0, 0.0), (20.0, 10.0, 4.0, 0.0)]
+    assert [(s["ms"], s["matmul"], s["attention"], s["collective"], s["other"])
+            for s in steps] == [(10.0, 4.0, 3.7, 0.5, 0.5), (30.0, 12.0, 8.0, 0.0, 0.0),
+                                (20.0, 10.0, 4.0, 0.0, 0.0)]
     rows = summarize(steps)
     assert rows["decode"]["steps"] == 1 and rows["mixed"]["steps"] == 2
     assert rows["mixed"]["attention"] == 6.0  # the median of 8 and 4
