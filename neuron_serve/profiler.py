@@ -15,8 +15,8 @@ OPERATOR_COLUMNS = ("name", "calls", "self_cpu_us", "total_cpu_us", "input_shape
 
 
 class StepProfiler:
-    def __init__(self, rank: int):
-        self.rank = rank
+    def __init__(self, name: str):
+        self.name = name  # unique among the host's workers: part of the file names
         self._profile: profile | None = None
         self._out: Path | None = None
 
@@ -28,7 +28,7 @@ class StepProfiler:
         if self.recording:
             raise RuntimeError("a profile is already recording; stop it first")
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        self._out = Path(directory) / f"profile-{stamp}-rank{self.rank}"
+        self._out = Path(directory) / f"profile-{stamp}-{self.name}"
         self._out.parent.mkdir(parents=True, exist_ok=True)
         self._profile = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
         self._profile.__enter__()

@@ -33,7 +33,8 @@ class NeuronWorker(WorkerBase):
                  distributed_init_method: str, is_driver_worker: bool = False):
         super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
         self.model_runner: NeuronModelRunner | None = None
-        self.profiler = StepProfiler(rank)
+        self.profiler = StepProfiler(
+            f"engine{self.parallel_config.data_parallel_index}-rank{rank}")
 
     def init_device(self) -> None:
         dev = device.current()

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from vllm.v1.metrics.prometheus import get_prometheus_registry
 
+from neuron_serve.server.engines import per_engine
 from neuron_serve.stats import GraphStats
 
 
@@ -52,14 +53,6 @@ class _Snapshot:
         yield waste
         yield from gauges.values()
         yield usage
-
-
-async def per_engine(engine, method: str, *args) -> dict[str, list]:
-    """A worker RPC on every data-parallel engine: {engine index: one result per rank}.
-    (vLLM's `collective_rpc` reaches the first engine only.)"""
-    core = engine.engine_core
-    results = await core.call_utility_all_async("collective_rpc", method, None, args, None)
-    return {str(int.from_bytes(e, "little")): r for e, r in zip(core.core_engines, results)}
 
 
 async def render(engine) -> bytes:

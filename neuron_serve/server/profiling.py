@@ -1,5 +1,6 @@
-"""`POST /admin/profile/start|stop`: the engine's workers record the serving steps with
-torch.profiler (neuron_serve.profiler); this side only tracks state and reports files."""
+"""`POST /admin/profile/start|stop`: the workers of every data-parallel engine record the
+serving steps with torch.profiler (neuron_serve.profiler); this side only tracks state and
+reports files."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from http import HTTPStatus
 
 from vllm.engine.protocol import EngineClient
 
+from neuron_serve.server.engines import per_engine
 from neuron_serve.server.errors import ServerError
 from neuron_serve.server.protocol import ProfileFiles, ProfileStarted, ProfileStopped
 
@@ -26,7 +28,7 @@ class ProfileControl:
             if self.recording:
                 raise ServerError("a profile is already recording; POST /admin/profile/stop "
                                   "first", HTTPStatus.CONFLICT)
-            await self.engine.collective_rpc("start_step_profile", args=(self.directory,))
+            await per_engine(self.engine, "start_step_profile", self.directory)
             self.recording = True
             return ProfileStarted(directory=self.directory)
 
@@ -36,5 +38,6 @@ class ProfileControl:
                 raise ServerError("no profile is recording; POST /admin/profile/start first",
                                   HTTPStatus.CONFLICT)
             self.recording = False
-            files = await self.engine.collective_rpc("stop_step_profile")
-            return ProfileStopped(files=[ProfileFiles(**f) for f in files])
+            files = await per_engine(self.engine, "stop_step_profile")
+            return ProfileStopped(files=[ProfileFiles(**f) for ranks in files.values()
+                                         for f in ranks])

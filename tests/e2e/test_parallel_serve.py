@@ -13,6 +13,7 @@ this tests the processes and the routing."""
 import asyncio
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -44,8 +45,10 @@ def tp_server(request, tiny_llama, tmp_path_factory):
 
 @pytest.fixture(scope="module", params=["neuron-serve", "vllm-serve"])
 def dp_server(request, tiny_llama, tmp_path_factory):
+    profiles = ["--profile-dir", str(tmp_path_factory.mktemp("profiles"))] \
+        if request.param == "neuron-serve" else []
     server = parallel_server(request.param, tiny_llama, tmp_path_factory.mktemp("logs"),
-                             ["--data-parallel-size", "2"])
+                             ["--data-parallel-size", "2", *profiles])
     yield request.param, server
     server.stop()
 
@@ -70,6 +73,19 @@ def test_both_engines_serve_and_answer_as_one_engine_does(dp_server, tiny_server
                        model_name="tiny") for e in (0, 1)]
         assert min(ours) > 0, ours
     assert texts == asyncio.run(completions(tiny_server.base_url))
+
+
+def test_a_profile_records_every_engine(dp_server):
+    kind, server = dp_server
+    if kind != "neuron-serve":
+        pytest.skip("/admin/profile/* is neuron-serve's; vllm serve has its own profiler")
+    assert httpx.post(f"{server.base_url}/admin/profile/start").status_code == 200
+    asyncio.run(completions(server.base_url))
+    stopped = httpx.post(f"{server.base_url}/admin/profile/stop", timeout=120).json()
+    traces = sorted(f["trace"] for f in stopped["files"])
+    assert [t.rsplit("-", 2)[-2:] for t in traces] == \
+        [["engine0", "rank0.trace.json"], ["engine1", "rank0.trace.json"]], traces
+    assert all(Path(t).stat().st_size > 0 for t in traces)
 
 
 def test_two_ranks_answer_as_one_does(tp_server, tiny_server):
