@@ -11,6 +11,10 @@ is told so with VLLM_CPU_OMP_THREADS_BIND ("0|1"; its automatic binding wants a 
 per rank), ours divides the cores by itself. KV bytes are given per rank: vLLM's CPU
 backend would otherwise give every rank of a NUMA node most of its memory.
 
+--sequential serves one system at a time, for layouts whose two servers do not fit in
+memory together (DP 2 of the Qwen3-0.6B shape on 24 GB). The report keeps the rows of
+layouts measured by earlier runs and not by this one.
+
 Writes benchmarks/results/parallel-<model>.json and .md.
 """
 
@@ -53,9 +57,25 @@ def run_layout(args, model: Path, vocab: int, tp: int, dp: int) -> list[dict]:
              "--max-model-len", "1024", "--kv-cache-memory-bytes",
              str(int(args.kv_cache_gb * 2**30)), *layout_flags(tp, dp)]
     os.environ.update(core_binding(tp * dp))
-    servers, runs = [], {}
+    runs = {}
     try:
-        for system in SYSTEMS:
+        for group in ([[s] for s in SYSTEMS] if args.sequential else [SYSTEMS]):
+            measure(args, model, vocab, flags, tp, dp, group, runs)
+    finally:
+        for key in core_binding(tp * dp):
+            os.environ.pop(key)
+    return [dict(system=system, tp=tp, dp=dp, batch=batch, repeats=len(rs),
+                 tok_s=[sum(r["tokens"] for r in run["results"]) / run["wall"] for run in rs],
+                 **summarize(rs))
+            for (system, batch), rs in runs.items()]
+
+
+def measure(args, model: Path, vocab: int, flags: list[str], tp: int, dp: int,
+            systems: list[str], runs: dict) -> None:
+    """Serve `systems` together, taking turns burst by burst; bursts into `runs`."""
+    servers = []
+    try:
+        for system in systems:
             print(f"TP {tp} DP {dp}: starting {system} ...", flush=True)
             start = time.monotonic()
             log = args.out / ".logs" / f"parallel-{args.model}-{system}-tp{tp}-dp{dp}.log"
@@ -76,12 +96,6 @@ def run_layout(args, model: Path, vocab: int, tp: int, dp: int) -> list[dict]:
     finally:
         for s in servers:
             s.stop()
-        for key in core_binding(tp * dp):
-            os.environ.pop(key)
-    return [dict(system=system, tp=tp, dp=dp, batch=batch, repeats=len(rs),
-                 tok_s=[sum(r["tokens"] for r in run["results"]) / run["wall"] for run in rs],
-                 **summarize(rs))
-            for (system, batch), rs in runs.items()]
 
 
 def markdown(report: dict) -> str:
@@ -124,6 +138,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kv-cache-gb", type=float, default=0.5, help="per rank")
     parser.add_argument("--neuron-config", default=None, metavar="JSON")
+    parser.add_argument("--sequential", action="store_true",
+                        help="one server at a time (for layouts that do not fit in memory twice)")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
@@ -136,8 +152,12 @@ def main() -> None:
                   machine=hardware.describe(), prompt=args.prompt, output=args.output,
                   repeats=args.repeats, rows=[])
     path = args.out / f"parallel-{args.model}.json"
-    for layout in args.layouts.split(","):
-        tp, dp = (int(n) for n in layout.split("x"))
+    layouts = [tuple(int(n) for n in layout.split("x")) for layout in args.layouts.split(",")]
+    if path.exists():  # an earlier run's layouts that this one does not measure
+        earlier = json.loads(path.read_text())
+        report["rows"] = [r for r in earlier["rows"] if (r["tp"], r["dp"]) not in layouts]
+        report["earlier"] = earlier.get("earlier", []) + [earlier["command"]]
+    for tp, dp in layouts:
         report["rows"] += run_layout(args, model, vocab, tp, dp)
         path.write_text(json.dumps(report, indent=1))  # a later layout failing keeps these
         path.with_suffix(".md").write_text(markdown(report) + "\n")

@@ -10,7 +10,7 @@ import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-from neuron_serve import device, envs
+from neuron_serve import device, envs, ray_cluster
 from neuron_serve.attention import BACKEND_NAME, BACKEND_PATH
 from neuron_serve.logs import init_logger
 from neuron_serve.plugin import DEVICE
@@ -67,8 +67,9 @@ def _check_parallel(parallel) -> None:
                 "(--tensor-parallel-size) and replicates it by data parallel "
                 "(--data-parallel-size); pipeline and context parallel are not supported")
     ranks = parallel.tensor_parallel_size * parallel.data_parallel_size_local
-    os.environ["NEURON_SERVE_RANKS_ON_HOST"] = str(ranks)
-    envs.reset_cache()
+    if ranks:  # none on an API-only node (--data-parallel-size-local 0)
+        os.environ["NEURON_SERVE_RANKS_ON_HOST"] = str(ranks)
+        envs.reset_cache()
 
 
 class NeuronPlatform(Platform):
@@ -78,6 +79,7 @@ class NeuronPlatform(Platform):
     dispatch_key: str = _DEVICE.dispatch_key
     dist_backend: str = _DEVICE.dist_backend
     simple_compile_backend: str = _DEVICE.compile_backend
+    ray_device_key: str = ray_cluster.RESOURCE
 
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
@@ -164,6 +166,8 @@ class NeuronPlatform(Platform):
         if parallel.worker_cls == "auto":
             parallel.worker_cls = WORKER_PATH
         _check_parallel(parallel)
+        if parallel.use_ray:
+            ray_cluster.carry_settings(parallel)
         cache = vllm_config.cache_config
         if not cache.user_specified_block_size:
             cache.block_size = DEFAULT_BLOCK_SIZE

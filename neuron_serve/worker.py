@@ -20,7 +20,7 @@ from vllm.utils.torch_utils import set_random_seed
 from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
-from neuron_serve import device, envs
+from neuron_serve import device, envs, ray_cluster
 from neuron_serve.logs import init_logger
 from neuron_serve.model_runner.runner import NeuronModelRunner
 from neuron_serve.profiler import StepProfiler
@@ -38,16 +38,22 @@ class NeuronWorker(WorkerBase):
 
     def init_device(self) -> None:
         dev = device.current()
-        # This rank's place among the host's model ranks: vLLM numbers a data-parallel
-        # engine's devices after those of the engines before it.
-        slot = current_platform.device_id_to_physical_device_id(self.local_rank)
-        dev.init_worker_process(slot, envs.NEURON_SERVE_RANKS_ON_HOST)
+        slot, self.ranks_on_host = self._share_of_host()
+        dev.init_worker_process(slot, self.ranks_on_host)
         self.device = dev.torch_device
         init_worker_distributed_environment(self.vllm_config, self.rank,
                                             self.distributed_init_method, self.local_rank,
                                             current_platform.dist_backend)
         set_random_seed(self.model_config.seed)
         self.model_runner = NeuronModelRunner(self.vllm_config, self.device)
+
+    def _share_of_host(self) -> tuple[int, int]:
+        """(this rank's slot among its host's model ranks, how many the host holds)."""
+        if self.parallel_config.use_ray:  # the actor's NeuronCore among its node's
+            return ray_cluster.node_share()
+        # vLLM numbers a data-parallel engine's devices after those of the engines before it.
+        return (current_platform.device_id_to_physical_device_id(self.local_rank),
+                envs.NEURON_SERVE_RANKS_ON_HOST)
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         with set_current_vllm_config(self.vllm_config):
@@ -65,7 +71,7 @@ class NeuronWorker(WorkerBase):
         self.model_runner.config.check_attention_scratch(self._kv_heads_and_head_size())
         explicit = self.cache_config.kv_cache_memory_bytes
         dev = device.current()
-        ranks = envs.NEURON_SERVE_RANKS_ON_HOST
+        ranks = self.ranks_on_host
         if explicit:
             share = dev.rank_memory_bytes(ranks)
             if ranks > 1 and explicit > share:

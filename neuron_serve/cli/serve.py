@@ -32,6 +32,11 @@ def add_parser(subparsers) -> None:
                     "embedded demo model). Accepts vLLM's engine flags.")
     serve.add_argument("--host", default="0.0.0.0", help="address to bind")
     serve.add_argument("--port", type=int, default=8000, help="port to bind")
+    serve.add_argument("--headless", action="store_true",
+                       help="no HTTP server: run this node's data-parallel engines "
+                            "(--data-parallel-size-local from --data-parallel-start-rank), "
+                            "which join the API server at --data-parallel-address and "
+                            "--data-parallel-rpc-port (multi-node data parallel)")
     server = serve.add_argument_group("server", "HTTP front: keys, limits, shutdown")
     server.add_argument("--api-key", action="append", default=None, dest="api_keys",
                         help="required as 'Authorization: Bearer KEY' on /v1/* and "
@@ -88,5 +93,16 @@ async def _serve(args: argparse.Namespace) -> None:
         raise SystemExit(1)
 
 
+def _run_headless(args: argparse.Namespace) -> None:
+    """vLLM's headless node, with our flags merged into the engine arguments it reads."""
+    from vllm.entrypoints.cli.serve import run_headless
+
+    engine_args(args)  # merges our flags into `args`, which run_headless reads again
+    args.api_server_count = 0
+    run_headless(args)
+
+
 def run(args: argparse.Namespace) -> None:
+    if args.headless:
+        return _run_headless(args)
     asyncio.run(_serve(args))

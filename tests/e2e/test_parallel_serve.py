@@ -10,7 +10,6 @@
 Eager throughout: the ranks' compiled numerics are tests/engine/test_tensor_parallel.py's;
 this tests the processes and the routing."""
 
-import asyncio
 import signal
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ import httpx
 import openai
 import psutil
 import pytest
-from conftest import metric, serve_tiny
+from conftest import greedy_texts, metric, serve_tiny
 
 pytestmark = pytest.mark.slow
 
@@ -53,18 +52,9 @@ def dp_server(request, tiny_llama, tmp_path_factory):
     server.stop()
 
 
-async def completions(base_url: str) -> list[str]:
-    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0,
-                                timeout=300)
-    answers = await asyncio.gather(*(
-        client.completions.create(model="tiny", prompt=f"request {i}: the", max_tokens=8,
-                                  temperature=0) for i in range(REQUESTS)))
-    return [a.choices[0].text for a in answers]
-
-
 def test_both_engines_serve_and_answer_as_one_engine_does(dp_server, tiny_server):
     kind, dp_server = dp_server
-    texts = asyncio.run(completions(dp_server.base_url))
+    texts = greedy_texts(dp_server.base_url, REQUESTS)
     per_engine = [metric(dp_server.base_url, "vllm:request_success_total", engine=str(e))
                   for e in (0, 1)]
     assert sum(per_engine) >= REQUESTS and min(per_engine) > 0, per_engine
@@ -72,7 +62,7 @@ def test_both_engines_serve_and_answer_as_one_engine_does(dp_server, tiny_server
         ours = [metric(dp_server.base_url, "neuron_serve:real_tokens_total", engine=str(e),
                        model_name="tiny") for e in (0, 1)]
         assert min(ours) > 0, ours
-    assert texts == asyncio.run(completions(tiny_server.base_url))
+    assert texts == greedy_texts(tiny_server.base_url, REQUESTS)
 
 
 def test_a_profile_records_every_engine(dp_server):
@@ -80,7 +70,7 @@ def test_a_profile_records_every_engine(dp_server):
     if kind != "neuron-serve":
         pytest.skip("/admin/profile/* is neuron-serve's; vllm serve has its own profiler")
     assert httpx.post(f"{server.base_url}/admin/profile/start").status_code == 200
-    asyncio.run(completions(server.base_url))
+    greedy_texts(server.base_url, REQUESTS)
     stopped = httpx.post(f"{server.base_url}/admin/profile/stop", timeout=120).json()
     traces = sorted(f["trace"] for f in stopped["files"])
     assert [t.rsplit("-", 2)[-2:] for t in traces] == \
@@ -90,8 +80,8 @@ def test_a_profile_records_every_engine(dp_server):
 
 def test_two_ranks_answer_as_one_does(tp_server, tiny_server):
     _, server = tp_server
-    assert asyncio.run(completions(server.base_url)) == \
-        asyncio.run(completions(tiny_server.base_url))
+    assert greedy_texts(server.base_url, REQUESTS) == \
+        greedy_texts(tiny_server.base_url, REQUESTS)
 
 
 def rank_process(server, rank: int) -> psutil.Process:

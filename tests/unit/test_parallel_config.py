@@ -45,3 +45,22 @@ def test_ranks_divide_the_emulated_capacity():
         device = EmulatedDevice()
         assert device.rank_memory_bytes(1) == 8 << 30
         assert device.rank_memory_bytes(4) == 2 << 30
+
+
+def test_ray_actors_start_with_the_drivers_neuron_serve_settings(monkeypatch):
+    """Ray actors inherit their raylet's environment: the settings that select and shape
+    the platform travel in the runtime env; the driver host's rank count does not."""
+    from neuron_serve.ray_cluster import carry_settings
+
+    monkeypatch.setenv("NEURON_SERVE_DEVICE", "neuron")
+    monkeypatch.setenv("NEURON_SERVE_EMULATED_MEMORY_GB", "8")
+    monkeypatch.setenv("NEURON_SERVE_RANKS_ON_HOST", "2")
+    config = SimpleNamespace(ray_runtime_env={"pip": ["x"], "env_vars": {"A": "1"}})
+    carry_settings(config)
+    assert config.ray_runtime_env["pip"] == ["x"]
+    env = config.ray_runtime_env["env_vars"]
+    assert env["A"] == "1" and env["NEURON_SERVE_DEVICE"] == "neuron"
+    assert env["NEURON_SERVE_EMULATED_MEMORY_GB"] == "8" and "NEURON_SERVE_RANKS_ON_HOST" not in env
+    empty = SimpleNamespace(ray_runtime_env=None)
+    carry_settings(empty)
+    assert empty.ray_runtime_env["env_vars"]["NEURON_SERVE_DEVICE"] == "neuron"

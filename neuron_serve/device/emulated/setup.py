@@ -74,9 +74,10 @@ def worker_process() -> None:
 def share_cores(slot: int, ranks_on_host: int) -> None:
     """Model rank `slot` of `ranks_on_host` (tensor × data parallel) runs on its own slice
     of this process's cores; with more ranks than cores, one core each, shared."""
-    if ranks_on_host <= 1:
-        return
     cores = sorted(os.sched_getaffinity(0))
+    if ranks_on_host <= 1:  # all of them: a Ray actor starts with OMP_NUM_THREADS=1
+        torch.set_num_threads(len(cores))
+        return
     per_rank = len(cores) // ranks_on_host
     if per_rank:
         mine = cores[slot * per_rank:(slot + 1) * per_rank]
