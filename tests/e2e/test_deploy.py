@@ -5,7 +5,8 @@ All offline: `kubectl kustomize`, kubernetes-validate's bundled schemas, and che
 its own venv (.tools/checkov, made by `tools/setup_env.py --tools-only`: its pins clash
 with vLLM's). The CRDs (ServiceMonitor, ScaledObject) are not in the core schemas, and
 their projects' schemas are not vendored here: their required fields and references are
-checked explicitly.
+checked explicitly. The LeaderWorkerSet of overlays/trn2-multinode is validated against
+its CRD's schema, vendored in deploy/crds/.
 """
 
 from __future__ import annotations
@@ -146,10 +147,10 @@ def test_custom_resources_have_required_fields_and_point_at_the_server(rendered)
     assert f'"{metric}"' in Path(loggers.__file__).read_text()
 
 
-def test_security_scan_passes_or_skips_with_a_reason(rendered, tmp_path):
+def test_security_scan_passes_or_skips_with_a_reason(rendered, multinode, tmp_path):
     if not CHECKOV.exists():
         pytest.fail(f"{CHECKOV} is missing: run `make tools` (tools/setup_env.py --tools-only)")
-    for name, objs in rendered.items():
+    for name, objs in {**rendered, "trn2-multinode": multinode}.items():
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump_all(objs))
     proc = subprocess.run([str(CHECKOV), "--directory", str(tmp_path), "--framework", "kubernetes",
                            "--skip-download", "--compact", "--output", "json"],
@@ -320,3 +321,98 @@ def test_a_config_file_may_name_the_model(tmp_path):
     unnamed.write_text("dtype: float32\n")
     assert _with_default_model(["serve", "--config", str(named)]) == ["serve", "--config", str(named)]
     assert _with_default_model(["serve", "--config", str(unnamed)])[1] == str(DEMO_MODEL_DIR)
+
+
+# ---- overlays/trn2-multinode: a LeaderWorkerSet in place of the Deployment ---------------
+
+LWS_CRD = DEPLOY / "crds" / "leaderworkerset.x-k8s.io_leaderworkersets.yaml"
+
+
+@pytest.fixture(scope="module")
+def multinode(rendered) -> list[dict]:
+    return _kustomize(DEPLOY / "overlays" / "trn2-multinode")
+
+
+def _strict(schema: dict) -> dict:
+    """The CRD's schema refusing unknown fields, as `kubectl apply` would fail to (the API
+    server prunes them without a word): a typo is caught here."""
+    if isinstance(schema, dict):
+        schema = {k: _strict(v) for k, v in schema.items()}
+        if "properties" in schema and not schema.get("x-kubernetes-preserve-unknown-fields"):
+            schema.setdefault("additionalProperties", False)
+    elif isinstance(schema, list):
+        schema = [_strict(v) for v in schema]
+    return schema
+
+
+def _roles(lws: dict) -> dict[str, dict]:
+    template = lws["spec"]["leaderWorkerTemplate"]
+    return {"leader": template["leaderTemplate"], "worker": template["workerTemplate"]}
+
+
+def test_multinode_validates_against_the_schemas(multinode):
+    import jsonschema
+
+    kinds = [o["kind"] for o in multinode]
+    assert "LeaderWorkerSet" in kinds and "Deployment" not in kinds and "Job" not in kinds
+    crd = yaml.safe_load(LWS_CRD.read_text())
+    (served,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    validator = jsonschema.Draft7Validator(_strict(served["schema"]["openAPIV3Schema"]))
+    for obj in multinode:
+        if obj["kind"] == "LeaderWorkerSet":
+            assert obj["apiVersion"] == f"{crd['spec']['group']}/v1"
+            errors = [f"{'.'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(obj)]
+            assert not errors, "\n".join(errors[:10])
+            typo = json.loads(json.dumps(obj))
+            typo["spec"]["leaderWorkerTemplate"]["sise"] = 2
+            assert any("sise" in e.message for e in validator.iter_errors(typo))
+            for role, template in _roles(obj).items():  # the pods, against Kubernetes' own
+                pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": role},
+                       "spec": template["spec"]}
+                kubernetes_validate.validate(pod, K8S_VERSIONS[0], strict=True)
+        else:
+            kubernetes_validate.validate(obj, K8S_VERSIONS[0], strict=True)
+
+
+def test_multinode_group_runs_ray_and_the_server_on_the_leader(multinode, cli_parser, tmp_path):
+    lws, routes = _one(multinode, "LeaderWorkerSet"), _routes()
+    spec = lws["spec"]
+    assert spec["startupPolicy"] == "LeaderCreated"  # LeaderReady: the leader waits forever
+    assert spec["leaderWorkerTemplate"]["restartPolicy"] == "RecreateGroupOnPodRestart"
+    roles = _roles(lws)
+    leader, worker = (roles[r]["spec"]["containers"][0] for r in ("leader", "worker"))
+
+    # The leader: Ray's head, then `neuron-serve serve` on Ray over the group's NeuronCores.
+    script = leader["args"][0]
+    assert "ray start --head --port=6379" in script
+    line = " ".join(script.split("exec ", 1)[1].replace("\\\n", " ").split())
+    server = {**leader, "command": ["neuron-serve"], "args": shlex.split(line)[1:]}
+    args = _parse(cli_parser, server, roles["leader"]["spec"], multinode, tmp_path)
+    assert args.command == "serve" and args.distributed_executor_backend == "ray"
+    cores = int(leader["resources"]["limits"]["aws.amazon.com/neuroncore"])
+    assert args.tensor_parallel_size * args.data_parallel_size == \
+        spec["leaderWorkerTemplate"]["size"] * cores, "one rank per NeuronCore of the group"
+    assert not args.require_precompiled  # no single-node Job can compile a multi-node world
+    assert worker["resources"] == leader["resources"] and worker["image"] == leader["image"]
+    assert all("vpc.amazonaws.com/efa" in c["resources"]["limits"] for c in (leader, worker))
+
+    # Workers join the leader's head; probes and clients reach the leader only.
+    ports = {p["name"]: p["containerPort"] for p in leader["ports"]}
+    assert f'"$LWS_LEADER_ADDRESS:{ports["ray-gcs"]}"' in worker["args"][0]
+    assert ports["http"] == int(_flag(args_list := shlex.split(line), "--port")), args_list
+    for probe, path in (("startupProbe", "/ready"), ("readinessProbe", "/ready"),
+                        ("livenessProbe", "/health")):
+        assert leader[probe]["httpGet"]["path"] == path and "GET" in routes[path]
+        assert probe not in worker
+    selector = _one(multinode, "Service")["spec"]["selector"]
+    assert selector.items() <= roles["leader"]["metadata"]["labels"].items()
+    assert not selector.items() <= roles["worker"]["metadata"]["labels"].items()
+    # The group's pods reach each other on every port (Ray, the collectives).
+    ingress = _one(multinode, "NetworkPolicy")["spec"]["ingress"]
+    assert {"from": [{"podSelector": {"matchLabels": {
+        "leaderworkerset.sigs.k8s.io/name": lws["metadata"]["name"]}}}]} in ingress
+    # The same engine ConfigMap as the server mounts (hash-suffixed name kept in step).
+    names = {o["metadata"]["name"] for o in multinode if o["kind"] == "ConfigMap"}
+    for template in roles.values():
+        assert {v["configMap"]["name"] for v in template["spec"]["volumes"]
+                if "configMap" in v} <= names
