@@ -102,7 +102,8 @@ def markdown(report: dict) -> str:
     rows = report["rows"]
     by = {(r["system"], r["tp"], r["dp"], r["batch"]): r for r in rows}
     lines = [f"## Tensor and data parallel, {report['model']} shape ({report['date']})", "",
-             f"`{report['command']}`. Machine: {report['machine']}. Bursts of streamed "
+             f"`{'`, then `'.join([*report.get('earlier', []), report['command']])}`. "
+             f"Machine: {report['machine']}. Bursts of streamed "
              f"completions, prompt {report['prompt']}, output {report['output']}; medians of "
              f"{report['repeats']} (min-max).", "",
              "| TP × DP | sequences | ours tok/s | vLLM CPU tok/s | ours ÷ vLLM | ours TPOT p50 ms "

@@ -167,15 +167,19 @@ def test_ray_tensor_parallel_over_two_nodes(ray_cluster, tiny_llama, tiny_server
         assert greedy_texts(server.base_url, REQUESTS) == expected
 
         ray_cluster.lose_worker()
-        lost, health = time.monotonic(), set()
+        lost, health, unhealthy_after = time.monotonic(), set(), None
         while server.proc.poll() is None and time.monotonic() - lost < EXIT_WITHIN_S:
             try:
                 health.add(httpx.get(f"{server.base_url}/health", timeout=2).status_code)
             except httpx.HTTPError:
                 pass
+            if 503 in health and unhealthy_after is None:
+                unhealthy_after = time.monotonic() - lost
             time.sleep(0.5)
         assert server.proc.poll() is not None, f"still running {EXIT_WITHIN_S} s after the loss"
         assert server.proc.returncode == 1 and 503 in health, (health, server.log_tail())
+        print(f"worker node lost: /health 503 after {unhealthy_after:.1f} s, exit 1 after "
+              f"{time.monotonic() - lost:.1f} s")
     finally:
         server.stop()
 
