@@ -84,9 +84,16 @@ async def _serve(args: argparse.Namespace) -> None:
         config = uvicorn.Config(lifecycle, host=args.host, port=args.port, log_level="info",
                                 access_log=False,  # ours: JSON lines with request ids
                                 timeout_graceful_shutdown=args.drain_timeout)
-        server = DrainingServer(config, lifecycle,
-                                engine_dead=lambda: engine.errored and not engine.is_running)
+        watch = app.state.engine_watch
+
+        def engine_lost() -> str | None:
+            if engine.errored and not engine.is_running:
+                return "the engine has stopped"
+            return watch.lost
+        server = DrainingServer(config, lifecycle, engine_lost=engine_lost)
+        watching = asyncio.create_task(watch.run())
         await server.serve()
+        watching.cancel()
     finally:
         engine.shutdown()
     if server.engine_failed:

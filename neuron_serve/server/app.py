@@ -27,6 +27,7 @@ from vllm.entrypoints.serve.tokenize.protocol import (
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from neuron_serve.server import fields
+from neuron_serve.server.engines import EngineWatch
 from neuron_serve.server.errors import ENGINE_STOPPED, ServerError, register_error_handlers
 from neuron_serve.server.metrics import render as render_metrics
 from neuron_serve.server.openai_api import (
@@ -76,11 +77,16 @@ async def build_app(engine: EngineClient, args: Namespace, *,
     state = app.state
     profiler = ProfileControl(engine, profile_dir)
 
+    state.engine_watch = EngineWatch(engine)  # run by the caller, beside the server
+
     async def check_engine() -> PlainTextResponse:
         try:
             await engine.check_health()
         except EngineDeadError as exc:
             raise ServerError(ENGINE_STOPPED, HTTPStatus.SERVICE_UNAVAILABLE) from exc
+        if state.engine_watch.lost:
+            raise ServerError(f"{state.engine_watch.lost}; the server is exiting",
+                              HTTPStatus.SERVICE_UNAVAILABLE)
         return PlainTextResponse("")
 
     async def answer(request: Request, work, conform=conform_error) -> Response:

@@ -36,6 +36,7 @@ def _json_lines_to_stdout() -> None:
 OPEN_PATHS = {"/health", "/ready", "/metrics", "/version"}  # probes and scrapers: no key
 ADMITTED_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/responses"}  # count against the limit
 RETRY_AFTER_S = "1"
+LOST_ENGINE_EXIT_S = 2.0  # probes and load balancers see 503 before the process goes
 
 
 @dataclass(frozen=True)
@@ -133,14 +134,15 @@ class DrainingServer(uvicorn.Server):
     """uvicorn, except that the first SIGTERM/SIGINT drains before shutting down and the
     process then exits 0 (uvicorn would re-raise the signal); a second signal exits at once.
 
-    Once a second it asks `engine_dead`: an engine that stopped (a rank died, say) is not
-    coming back, so the server stops admitting and shuts down, and `engine_failed` tells the
-    caller to exit non-zero for the supervisor to restart it."""
+    Once a second it asks `engine_lost` why the engine is gone (None: it is not): an engine
+    that stopped (a rank died, a node vanished) is not coming back, so the server stops
+    admitting and shuts down, and `engine_failed` tells the caller to exit non-zero for the
+    supervisor to restart it."""
 
     def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle,
-                 engine_dead: Callable[[], bool] = lambda: False):
+                 engine_lost: Callable[[], str | None] = lambda: None):
         super().__init__(config)
-        self.lifecycle, self.engine_dead = lifecycle, engine_dead
+        self.lifecycle, self.engine_lost = lifecycle, engine_lost
         self.engine_failed = False
 
     def handle_exit(self, sig, frame) -> None:
@@ -154,8 +156,12 @@ class DrainingServer(uvicorn.Server):
         await self.lifecycle.drain()
         self.should_exit = True
 
-    async def on_tick(self, counter: int) -> bool:
-        if counter % 10 == 0 and not self.engine_failed and self.engine_dead():
-            access_log.error("the engine has stopped: shutting down, exit status 1")
-            self.engine_failed = self.lifecycle.draining = self.should_exit = True
+    async def on_tick(self, counter: int) -> bool:  # every 0.1 s
+        if counter % 10 == 0 and not self.engine_failed and (why := self.engine_lost()):
+            access_log.error("%s: shutting down in %g s, exit status 1", why, LOST_ENGINE_EXIT_S)
+            self.engine_failed = self.lifecycle.draining = True
+            asyncio.get_running_loop().call_later(LOST_ENGINE_EXIT_S, self._exit)
         return await super().on_tick(counter)
+
+    def _exit(self) -> None:
+        self.should_exit = True

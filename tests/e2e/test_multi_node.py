@@ -10,6 +10,8 @@
   the node and the server restart, it serves again.
 * Multi-node data parallel with vLLM's flags: an API server with one engine on the head, a
   `--headless` node with the other; both engines serve. Each front end takes each role.
+  Losing the headless node stops our head (503, exit 1) within a bounded time; vLLM's own
+  head does not notice (it watches only its local engine processes), so that case is ours.
 
 Eager engines: the numerics are the single-host tests'; these test placement and routing.
 """
@@ -155,6 +157,23 @@ def worker_actor_nodes() -> list[tuple[str, str]]:
     return nodes
 
 
+def assert_stops(server: RunningServer, what: str) -> None:
+    """Just after a node was lost: /health turns 503 and the server exits 1, in bounded time."""
+    lost, health, unhealthy_after = time.monotonic(), set(), None
+    while server.proc.poll() is None and time.monotonic() - lost < EXIT_WITHIN_S:
+        try:
+            health.add(httpx.get(f"{server.base_url}/health", timeout=2).status_code)
+        except httpx.HTTPError:
+            pass
+        if 503 in health and unhealthy_after is None:
+            unhealthy_after = time.monotonic() - lost
+        time.sleep(0.5)
+    assert server.proc.poll() is not None, f"still running {EXIT_WITHIN_S} s after the loss"
+    assert server.proc.returncode == 1 and 503 in health, (health, server.log_tail())
+    print(f"{what}: /health 503 after {unhealthy_after:.1f} s, exit 1 after "
+          f"{time.monotonic() - lost:.1f} s")
+
+
 def test_ray_tensor_parallel_over_two_nodes(ray_cluster, tiny_llama, tiny_server, tmp_path):
     """TP 2 with one rank per node answers as TP 1; losing the worker node stops the server
     within a bounded time; the node and the server restarted, it serves again."""
@@ -167,19 +186,7 @@ def test_ray_tensor_parallel_over_two_nodes(ray_cluster, tiny_llama, tiny_server
         assert greedy_texts(server.base_url, REQUESTS) == expected
 
         ray_cluster.lose_worker()
-        lost, health, unhealthy_after = time.monotonic(), set(), None
-        while server.proc.poll() is None and time.monotonic() - lost < EXIT_WITHIN_S:
-            try:
-                health.add(httpx.get(f"{server.base_url}/health", timeout=2).status_code)
-            except httpx.HTTPError:
-                pass
-            if 503 in health and unhealthy_after is None:
-                unhealthy_after = time.monotonic() - lost
-            time.sleep(0.5)
-        assert server.proc.poll() is not None, f"still running {EXIT_WITHIN_S} s after the loss"
-        assert server.proc.returncode == 1 and 503 in health, (health, server.log_tail())
-        print(f"worker node lost: /health 503 after {unhealthy_after:.1f} s, exit 1 after "
-              f"{time.monotonic() - lost:.1f} s")
+        assert_stops(server, "Ray worker node lost")
     finally:
         server.stop()
 
@@ -213,6 +220,9 @@ def test_data_parallel_over_two_nodes(head, headless, tiny_llama, tiny_server, t
         served = [metric(server.base_url, "vllm:request_success_total", engine=str(e))
                   for e in (0, 1)]
         assert min(served) > 0 and sum(served) >= REQUESTS, served
+        if head == "neuron-serve":  # vLLM's own head stays healthy, routing to a lost engine
+            kill_session(node)
+            assert_stops(server, "headless node lost")
     finally:
         server.stop()
         node.send_signal(signal.SIGTERM)
