@@ -101,6 +101,8 @@ class RayCluster:
         return subprocess.Popen(
             [str(VENV_BIN / "ray"), "start", "--block", "--node-ip-address", address,
              "--resources", ONE_NEURON_CORE, "--num-cpus", "1", "--disable-usage-stats",
+             # Ray's object store would take 30 % of RAM per node; vLLM sends it little.
+             "--object-store-memory", str(128 << 20),
              "--min-worker-port", "0", "--max-worker-port", "0", *flags],
             env=node_env(address), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
