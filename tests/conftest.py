@@ -163,8 +163,9 @@ class RunningServer:
         self._log.close()
 
 
-def start_server(cmd: list[str], port: int, log_path: Path) -> RunningServer:
-    server = RunningServer(cmd, port, log_path)
+def start_server(cmd: list[str], port: int, log_path: Path,
+                 env: dict[str, str] | None = None) -> RunningServer:
+    server = RunningServer(cmd, port, log_path, env=env)
     try:
         server.wait_healthy()
     except Exception:

@@ -37,6 +37,7 @@ from conftest import (
     free_port,
     greedy_texts,
     metric,
+    start_server,
 )
 
 pytestmark = pytest.mark.slow
@@ -134,17 +135,11 @@ def ray_cluster(tmp_path_factory):
 
 def ray_tp_server(cluster: RayCluster, checkpoint, log: Path) -> RunningServer:
     port = free_port()
-    server = RunningServer(
+    return start_server(
         [*SERVER["neuron-serve"], str(checkpoint), *EAGER["neuron-serve"], "--port", str(port),
          "--served-model-name", "tiny", *TEST_ENGINE_FLAGS, "--distributed-executor-backend", "ray",
          "--tensor-parallel-size", "2"],
         port, log, env={**os.environ, "RAY_ADDRESS": cluster.address, "VLLM_HOST_IP": HEAD})
-    try:
-        server.wait_healthy()
-    except Exception:
-        server.stop()
-        raise
-    return server
 
 
 def worker_actor_nodes() -> list[tuple[str, str]]:
