@@ -41,6 +41,7 @@ def as_server_error(exc: Exception) -> ServerError:
     info = create_error_response(exc).error
     status = HTTPStatus(info.code)
     if status >= HTTPStatus.INTERNAL_SERVER_ERROR:
+        logger.error("unhandled error", exc_info=exc)
         return ServerError("internal server error", status)
     return ServerError(info.message, status, info.param)
 
@@ -83,9 +84,10 @@ def register_error_handlers(app: FastAPI) -> None:
     async def _server_error(_: Request, exc: ServerError) -> JSONResponse:
         return _respond(exc.message, exc.status, exc.param, exc.headers)
 
+    # The last resort, outside the routes that answer through `respond` (which raise
+    # ServerError): Starlette re-raises what this handler answered, so uvicorn then closes
+    # the connection.
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         err = as_server_error(exc)
-        if err.status >= HTTPStatus.INTERNAL_SERVER_ERROR:
-            logger.exception("unhandled error")
         return _respond(err.message, err.status, err.param)

@@ -45,7 +45,13 @@ async def respond(request: Request, work: Awaitable, timeout_s: float | None,
                   conform: Callable[[dict], dict]) -> Response:
     """Await a vLLM serving call and answer with its result: an error, a body, or a
     server-sent event stream (closing it aborts the request in the engine)."""
-    result = await _unless_disconnected(request, _within_s(work, timeout_s))
+    try:
+        result = await _unless_disconnected(request, _within_s(work, timeout_s))
+    except Exception as exc:
+        # As a ServerError, the error is answered without Starlette re-raising it; a re-raise
+        # makes uvicorn close the keep-alive connection unannounced, failing the client's
+        # next request on it.
+        raise as_server_error(exc) from exc
     if isinstance(result, Response):
         return result
     if isinstance(result, VllmErrorResponse):

@@ -3,6 +3,8 @@ server, with the official `openai` client. Oracle: Transformers' chat template a
 decoding on the same checkpoint."""
 
 import asyncio
+import http.client
+import json
 
 import httpx
 import openai
@@ -141,6 +143,21 @@ def test_a_request_vllm_itself_rejects_is_400_not_500(client):
     with pytest.raises(openai.BadRequestError) as err:  # n > 1 needs sampling in vLLM
         client.chat.completions.create(n=2, **chat_args())
     assert "greedy" in err.value.body["message"]
+
+
+def test_a_400_keeps_the_connection_for_the_next_request(tiny_server):
+    """A client's pooled connection must outlive an error answer (uvicorn closed it,
+    unannounced, whenever the error was re-raised past the handler that answered it)."""
+    conn = http.client.HTTPConnection(*tiny_server.base_url.split("//")[1].split(":"))
+    headers = {"Content-Type": "application/json"}
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2, "temperature": 0}
+    conn.request("POST", "/v1/chat/completions", json.dumps({**body, "n": 2}), headers)
+    rejected = conn.getresponse()
+    assert rejected.status == 400 and rejected.getheader("connection") != "close"
+    assert "greedy" in json.loads(rejected.read())["error"]["message"]
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), headers)
+    assert conn.getresponse().status == 200  # the same socket: http.client never reconnects
+    conn.close()
 
 
 def hf_logprobs(path, prompt_ids: list[int], new_ids: list[int]) -> torch.Tensor:

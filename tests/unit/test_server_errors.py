@@ -17,7 +17,7 @@ CHAT = {"model": SERVED, "messages": MESSAGES, "max_tokens": 2}
 @pytest.fixture
 def client(engine, tmp_path) -> TestClient:
     app = asyncio.run(stand_in_app(engine, profile_dir=str(tmp_path)))
-    return TestClient(app, raise_server_exceptions=False)
+    return TestClient(app)  # raises what the app re-raises after answering
 
 
 def error_of(resp, status: int, code: str) -> dict:
