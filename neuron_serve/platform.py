@@ -74,6 +74,9 @@ def _check_parallel(parallel) -> None:
 
 class NeuronPlatform(Platform):
     _enum = PlatformEnum.OOT
+    # Weight formats our devices' linear kernels read (--quantization, or a checkpoint's).
+    supported_quantization: list[str] = ["fp8", "fp8_per_tensor", "fp8_per_channel",
+                                         "compressed-tensors"]
     device_name: str = _DEVICE.torch_device.type
     device_type: str = _DEVICE.torch_device.type
     dispatch_key: str = _DEVICE.dispatch_key
@@ -119,6 +122,11 @@ class NeuronPlatform(Platform):
     @classmethod
     def import_kernels(cls) -> None:
         _DEVICE.import_vllm_kernels()
+
+    @classmethod
+    def verify_quantization(cls, quant: str) -> None:
+        super().verify_quantization(quant)
+        _DEVICE.accept_quantization(quant)
 
     @classmethod
     def opaque_attention_op(cls) -> bool:

@@ -134,6 +134,16 @@ class NeuronWorker(WorkerBase):
         """Graphs compiled while serving (RPC for tests and metrics; should stay 0)."""
         return self.model_runner.compiles_after_warmup
 
+    def weight_bytes(self) -> dict[str, int]:
+        """Bytes the loaded model's tensors hold, by dtype, the device's packed copies
+        included (RPC for tests: which format the weights are stored in)."""
+        sizes: dict[str, int] = {}
+        model = self.model_runner.model
+        for tensor in [*model.parameters(), *model.buffers()]:
+            key = str(tensor.dtype).removeprefix("torch.")
+            sizes[key] = sizes.get(key, 0) + tensor.numel() * tensor.element_size()
+        return sizes
+
     def graph_stats(self) -> dict:
         """Compiled-graph counters (RPC for metrics and tests): `GraphStats.as_dict()`."""
         runner = self.model_runner

@@ -51,13 +51,15 @@ def naive_attention(q, k, v, pos, scale, window=None, soft_cap=None):
 
 
 def make_case(seed, seq_lens, query_lens, num_heads, num_kv_heads, head_size, block_size,
-              pad_tokens=3):
-    """Requests with shuffled block tables; the last query_lens[r] tokens of each are queries."""
+              pad_tokens=3, kv_dtype=torch.float32, kv_scales=None):
+    """Requests with shuffled block tables; the last query_lens[r] tokens of each are queries.
+    An 8-bit `kv_dtype` cache is written with `kv_scales`; the dense keys and values returned
+    are then what it holds, dequantized by the oracle's own arithmetic."""
     gen = torch.Generator().manual_seed(seed)
     width = max(math.ceil(s / block_size) for s in seq_lens) + 1
     num_blocks = 1 + sum(math.ceil(s / block_size) for s in seq_lens) + 2
     perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # never the null block
-    kv_cache = torch.zeros(num_blocks, block_size, num_kv_heads, 2 * head_size)
+    kv_cache = torch.zeros(num_blocks, block_size, num_kv_heads, 2 * head_size, dtype=kv_dtype)
     block_table = torch.zeros(len(seq_lens), width, dtype=torch.long)
     dense, req_of, pos_of = [], [], []
     for r, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens)):
@@ -65,10 +67,12 @@ def make_case(seed, seq_lens, query_lens, num_heads, num_kv_heads, head_size, bl
         block_table[r, :n] = torch.tensor([perm.pop() for _ in range(n)])
         k = torch.randn(seq_len, num_kv_heads, head_size, generator=gen)
         v = torch.randn(seq_len, num_kv_heads, head_size, generator=gen)
-        dense.append((k, v))
         positions = torch.arange(seq_len)
         slots = block_table[r, positions // block_size] * block_size + positions % block_size
-        write_kv(kv_cache, k, v, slots)
+        write_kv(kv_cache, k, v, slots, kv_scales)
+        if kv_scales is not None:
+            k, v = (fp8_round_trip(x, kv_dtype, s) for x, s in zip((k, v), kv_scales))
+        dense.append((k, v))
         for p in range(seq_len - q_len, seq_len):
             req_of.append(r), pos_of.append(p)
     num_real = len(req_of)
@@ -79,6 +83,12 @@ def make_case(seed, seq_lens, query_lens, num_heads, num_kv_heads, head_size, bl
             dense, num_real)
 
 
+def fp8_round_trip(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
+    """x as an 8-bit cache holds it, read back: x / scale saturated, rounded, times scale."""
+    limit = torch.finfo(dtype).max
+    return (x / scale).clamp(-limit, limit).to(dtype).float() * scale
+
+
 TILED_CASES = [  # seq_lens, query_lens: whole tiles, leftovers in tiles and as single tokens
     ([40, 12, 7], [8, 1, 7]),
     ([64, 3, 29, 50], [64, 1, 5, 1]),
@@ -86,10 +96,11 @@ TILED_CASES = [  # seq_lens, query_lens: whole tiles, leftovers in tiles and as 
 ]
 
 
-def tiled_case(seed, seq_lens, query_lens, heads, head_size, block_size, query_tile):
+def tiled_case(seed, seq_lens, query_lens, heads, head_size, block_size, query_tile, **kv):
     """make_case's step packed into the smallest tiled bucket that its tiles can hold."""
     num_heads, num_kv_heads = heads
-    case = make_case(seed, seq_lens, query_lens, num_heads, num_kv_heads, head_size, block_size)
+    case = make_case(seed, seq_lens, query_lens, num_heads, num_kv_heads, head_size, block_size,
+                     **kv)
     num_scheduled = np.array(query_lens)
     n = case[-1]
     for num_tokens in range(n + 3, 4 * n):  # the case's 3 padding tokens, then more

@@ -16,6 +16,22 @@ from vllm.v1.kv_cache_interface import KVCacheLayout
 
 from neuron_serve.attention import BACKEND_NAME, kernels
 
+# --kv-cache-dtype values served, and the dtype the cache holds (None: vLLM's own).
+# vLLM allocates an fp8 cache as uint8 bytes: the runner views them as the format.
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None, "bfloat16": None, "float16": None,
+    "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def cache_torch_dtype(cache_dtype: str) -> torch.dtype | None:
+    """The torch dtype of a `--kv-cache-dtype` cache, None where vLLM's is right; refuses
+    the formats our kernels do not read."""
+    if cache_dtype not in KV_CACHE_DTYPES:
+        raise NotImplementedError(
+            f"--kv-cache-dtype {cache_dtype}: the neuron attention kernels read "
+            f"{', '.join(KV_CACHE_DTYPES)} (fp8 is e4m3 with per-tensor scales)")
+    return KV_CACHE_DTYPES[cache_dtype]
+
 
 @dataclass
 class NeuronAttentionMetadata:
@@ -33,7 +49,7 @@ class NeuronAttentionMetadata:
 class NeuronAttentionBackend(AttentionBackend):
     forward_includes_kv_cache_update: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float32, torch.bfloat16, torch.float16]
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float32", "bfloat16", "float16"]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = list(KV_CACHE_DTYPES)
 
     @staticmethod
     def get_name() -> str:
@@ -85,6 +101,7 @@ class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
         self.num_kv_heads = num_kv_heads or num_heads
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap or None
+        cache_torch_dtype(kv_cache_dtype)  # refuses what the kernels cannot read
         self.kv_cache_dtype = kv_cache_dtype
         self.kernels = kernels.get("reference")
 
@@ -94,9 +111,12 @@ class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
         if attn_metadata is None:  # vLLM's dummy/profile passes: no KV cache bound yet
             return output
         md = attn_metadata
-        self.kernels.write_kv(kv_cache, key, value, md.slot_mapping)
+        # Tensors, not vLLM's float copies: a graph then reads the checkpoint's scales at
+        # run time, and every layer of a stack traces alike.
+        scales = (layer._k_scale, layer._v_scale) if kernels.is_quantized(kv_cache) else None
+        self.kernels.write_kv(kv_cache, key, value, md.slot_mapping, scales)
         out = self.kernels.ragged_paged_attention(
             query, kv_cache, md.block_table, md.token_req, md.token_pos, self.scale,
-            self.sliding_window, self.logits_soft_cap, md.tiles)
+            self.sliding_window, self.logits_soft_cap, md.tiles, scales)
         output.copy_(out.view_as(output))
         return output

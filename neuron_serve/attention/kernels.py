@@ -6,6 +6,11 @@ KV cache layout (one tensor per layer, token-major, K and V side by side):
         [..., :head_size] = key,  [..., head_size:] = value
     slot s = block_id * block_size + offset      (block 0 is vLLM's null block)
 
+An 8-bit cache (`--kv-cache-dtype fp8`: float8_e4m3fn or float8_e5m2) holds key / k_scale
+and value / v_scale, saturated to the format's range, with vLLM's per-tensor scales
+(`kv_scales`, 0-d tensors: a graph reads them at run time, so cached graphs hold no
+checkpoint's scales); kernels read `stored * scale`.
+
 A registry maps a kernel-set name to its implementation, so that a hardware kernel (NKI)
 can replace the reference one without touching the attention backend.
 """
@@ -28,6 +33,13 @@ class QueryTiles:
     token_slot: torch.Tensor  # [T] int64 row of each token in cat(single outputs, tile rows)
 
 
+KVScales = tuple[torch.Tensor, torch.Tensor]  # k_scale, v_scale of an 8-bit cache
+
+
+def is_quantized(kv_cache: torch.Tensor) -> bool:
+    return kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 @dataclass(frozen=True)
 class KernelSet:
     write_kv: Callable[..., None]
@@ -35,9 +47,9 @@ class KernelSet:
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store each token's key and value at its slot. Padding tokens carry slots inside the
-    null block, which no request reads.
+             slot_mapping: torch.Tensor, kv_scales: KVScales | None = None) -> None:
+    """Store each token's key and value at its slot, quantized by `kv_scales` in an 8-bit
+    cache. Padding tokens carry slots inside the null block, which no request reads.
 
     An index_put on the cache itself, not index_copy_ on a flattened view: inductor turns
     a mutation through a view of a graph input into a copy of the whole cache on every
@@ -45,8 +57,23 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     "Design measurements").
     """
     block_size = kv_cache.shape[1]
+    if is_quantized(kv_cache):
+        # Saturated: torch's cast to e5m2 turns values past its range into inf.
+        limit = torch.finfo(kv_cache.dtype).max
+        key = (key.float() / kv_scales[0]).clamp(-limit, limit)
+        value = (value.float() / kv_scales[1]).clamp(-limit, limit)
     kv_cache[slot_mapping // block_size, slot_mapping % block_size] = (
         torch.cat([key, value], dim=-1).to(kv_cache.dtype))
+
+
+def read_kv(context: torch.Tensor, head_size: int, kv_scales: KVScales | None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of cache rows `context` [..., 2D] in float32, dequantized."""
+    context = context.float()
+    key, value = context[..., :head_size], context[..., head_size:]
+    if kv_scales is None:
+        return key, value
+    return key * kv_scales[0], value * kv_scales[1]
 
 
 def ragged_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
@@ -55,6 +82,7 @@ def ragged_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                            sliding_window: int | None = None,
                            soft_cap: float | None = None,
                            tiles: QueryTiles | None = None,
+                           kv_scales: KVScales | None = None,
                            attend_tokens: Callable[..., torch.Tensor] | None = None,
                            attend_tiles: Callable[..., torch.Tensor] | None = None
                            ) -> torch.Tensor:
@@ -73,6 +101,7 @@ def ragged_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
         token_pos: [T] position of each token in its request.
         tiles: the step's tokens packed into query tiles (QueryTiles), or None: every
             token attends on its own.
+        kv_scales: (k_scale, v_scale) of an 8-bit cache, else None.
         attend_tokens: the kernel for tokens that attend on their own (the arguments of
             `attend_each_token`, its default); a kernel set may bring a faster one.
         attend_tiles: the kernel for query tiles (the arguments of `attend_query_tiles`,
@@ -84,7 +113,7 @@ def ragged_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
     attend_tiles = attend_tiles or attend_query_tiles
     if tiles is None:
         return attend_tokens(query, kv_cache, block_table, token_req, token_pos, scale,
-                             sliding_window, soft_cap)
+                             sliding_window, soft_cap, kv_scales)
     # An unused single slot (-1) attends as position 0 of request 0: one position for a
     # kernel that reads only what a token sees, where token 0 could see a whole chunk.
     used = tiles.single_token >= 0
@@ -92,21 +121,21 @@ def ragged_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
     outputs = [attend_tokens(query[single], kv_cache, block_table,
                              torch.where(used, token_req[single], 0),
                              torch.where(used, token_pos[single], 0), scale, sliding_window,
-                             soft_cap),
+                             soft_cap, kv_scales),
                attend_tiles(query, kv_cache, block_table, token_pos, tiles, scale,
-                            sliding_window, soft_cap)]
+                            sliding_window, soft_cap, kv_scales)]
     return torch.cat(outputs)[tiles.token_slot]
 
 
 def attend_each_token(query, kv_cache, block_table, token_req, token_pos, scale,
-                      sliding_window, soft_cap):
+                      sliding_window, soft_cap, kv_scales=None):
     """Each token over its own request's context (the block table gathered per token)."""
     num_tokens, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = kv_cache.shape
-    ctx = kv_cache[block_table[token_req]]  # [T, B, block_size, H_kv, 2D]
-    key, value = ctx[..., :head_size].float(), ctx[..., head_size:].float()
+    key, value = read_kv(kv_cache[block_table[token_req]], head_size,
+                         kv_scales)  # [T, B, block_size, H_kv, D]
     q = query.float().view(num_tokens, num_kv_heads, num_heads // num_kv_heads, head_size)
-    ctx_pos = torch.arange(ctx.shape[1] * block_size, device=query.device).view(-1, block_size)
+    ctx_pos = torch.arange(key.shape[1] * block_size, device=query.device).view(-1, block_size)
     visible = ctx_pos <= token_pos[:, None, None]  # [T, B, block_size]
     if sliding_window:
         visible = visible & (ctx_pos > token_pos[:, None, None] - sliding_window)
@@ -136,16 +165,16 @@ def _fused_attention(q, key, value, visible, scale, soft_cap):
 
 
 def attend_query_tiles(query, kv_cache, block_table, token_pos, tiles, scale, sliding_window,
-                       soft_cap):
+                       soft_cap, kv_scales=None):
     """Each tile's rows (one request's consecutive tokens) against that request's context,
     gathered once per tile: two batched matmuls, [n, H_kv, q·G, D] × [n, H_kv, D, B·bs]."""
     num_tiles, rows = tiles.tile_token.shape
     _, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
-    ctx = kv_cache[block_table[tiles.tile_req]].float()  # [n, B, bs, H_kv, 2D]
+    ctx = kv_cache[block_table[tiles.tile_req]]  # [n, B, bs, H_kv, 2D]
     ctx = ctx.permute(0, 3, 1, 2, 4).flatten(2, 3)  # [n, H_kv, C, 2D]
-    key, value = ctx[..., :head_size], ctx[..., head_size:]
+    key, value = read_kv(ctx, head_size, kv_scales)
     q = query[tiles.tile_token].float().view(num_tiles, rows, num_kv_heads, group, head_size)
     q = q.permute(0, 2, 1, 3, 4).reshape(num_tiles, num_kv_heads, rows * group, head_size)
     scores = (q @ key.transpose(-1, -2)) * scale  # [n, H_kv, q·G, C]

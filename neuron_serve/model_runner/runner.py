@@ -27,6 +27,7 @@ from vllm.v1.worker.utils import allocate_kv_cache, bind_kv_cache
 from neuron_serve import device as device_mod
 from neuron_serve.attention import kernels
 from neuron_serve.attention import layer as attention_layer
+from neuron_serve.attention.backend import cache_torch_dtype
 from neuron_serve.config import NeuronConfig
 from neuron_serve.graph_cache.key import graph_key
 from neuron_serve.graph_cache.store import GraphCache
@@ -104,6 +105,9 @@ class NeuronModelRunner:
             views = allocate_kv_cache(kv_cache_config, self.device, layout)
         # [blocks, kv heads, block size, 2 * head] → token-major [blocks, block size, kv heads, 2 * head]
         caches = {name: t.permute(0, 2, 1, 3) for name, t in views.items()}
+        fp8 = cache_torch_dtype(self.vllm_config.cache_config.cache_dtype)
+        if fp8 is not None:  # vLLM's uint8 bytes, read as the format
+            caches = {name: t.view(fp8) for name, t in caches.items()}
         if not all(t.is_contiguous() for t in caches.values()):
             raise RuntimeError(f"KV cache layout {layout} is not token-major; the neuron "
                                "attention backend declares LBNHC")

@@ -12,6 +12,7 @@ from attention_cases import (
     ragged_paged_attention,
     tiled_case,
 )
+from torch._dynamo.testing import CompileCounterWithBackend
 
 from neuron_serve.attention import kernels
 
@@ -53,3 +54,33 @@ def test_compiled_query_tiles_match_naive_attention(seq_lens, query_lens, window
     expected = torch.stack([naive_attention(query[t], *dense[req_of[t]], int(pos_of[t]), 0.25,
                                             window, soft_cap) for t in range(n)])
     torch.testing.assert_close(out[:n], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("kernel_set", ["reference", pytest.param("cpu", marks=CPU_KERNELS)])
+def test_compiled_write_and_attention_over_an_fp8_cache(kv_dtype, kernel_set):
+    """A step's write and attention in one graph over an 8-bit cache, its scales graph
+    inputs: new scales take effect without a recompile."""
+    query, kv_cache, table, req_of, pos_of, dense, n = make_case(
+        1, [40, 12, 7], [8, 1, 7], 8, 2, 64, 16, kv_dtype=kv_dtype,
+        kv_scales=(torch.tensor(0.5), torch.tensor(2.0)))
+    kernel_set_ = kernels.get(kernel_set)
+
+    def step(key, value, slots, scales):
+        kernel_set_.write_kv(kv_cache, key, value, slots, scales)
+        return kernel_set_.ragged_paged_attention(query, kv_cache, table, req_of, pos_of, 0.25,
+                                                  None, None, None, scales)
+
+    torch._dynamo.reset()
+    backend = CompileCounterWithBackend("inductor")
+    fn = torch.compile(step, fullgraph=True, dynamic=False, backend=backend)
+    slots = torch.tensor([0, 1])  # the null block: no request reads it
+    for scales in [(torch.tensor(0.5), torch.tensor(2.0)), (torch.tensor(0.25), torch.tensor(4.0))]:
+        # The cache as written with the first scales, read with these: values scale alike.
+        ratio = (scales[0] / 0.5, scales[1] / 2.0)
+        out = fn(torch.randn(2, 2, 64), torch.randn(2, 2, 64), slots, scales)
+        expected = torch.stack([naive_attention(query[t], dense[req_of[t]][0] * ratio[0],
+                                                dense[req_of[t]][1] * ratio[1], int(pos_of[t]),
+                                                0.25) for t in range(n)])
+        torch.testing.assert_close(out[:n], expected, rtol=1e-5, atol=1e-5)
+    assert backend.frame_count == 1  # one graph for both scales

@@ -47,6 +47,47 @@ def test_matches_plain_matmul(rows, out_features, in_features, isa):
                                x @ weight.T, rtol=1e-5, atol=1e-5)
 
 
+def quantized(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """An 8-bit copy of `weight` with a scale per output column, as quantized_linear stores it."""
+    top = 127.0 if dtype == torch.int8 else torch.finfo(dtype).max
+    scale = weight.abs().amax(dim=1) / top
+    values = weight / scale[:, None]
+    return (values.round() if dtype == torch.int8 else values).to(dtype), scale
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (200, 96), (37, 5)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 8, 13, 32, 128])
+def test_8bit_weights_match_a_matmul_of_their_dequantized_values(rows, out_features,
+                                                                  in_features, dtype, isa):
+    """The oracle dequantizes first (values x scale, float32), then a plain matmul."""
+    torch.manual_seed(rows * 1000 + out_features)
+    weight, scale = quantized(torch.randn(out_features, in_features), dtype)
+    weight[0, :4] = torch.tensor([0.001, -0.003, 0.01, -0.5]).to(dtype)  # e4m3 subnormals
+    bias, x = torch.randn(out_features), torch.randn(rows, in_features)
+    blocks = skinny_matmul.pack_weight(weight)
+    packed_scale = skinny_matmul.pack_scale(scale, dtype)
+    dequantized = weight.float() * scale[:, None]
+    torch.testing.assert_close(
+        skinny_matmul.skinny_matmul(x, blocks, bias, out_features, packed_scale),
+        x @ dequantized.T + bias, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        skinny_matmul.skinny_matmul(x, blocks, None, out_features, packed_scale),
+        x @ dequantized.T, rtol=1e-5, atol=1e-5)
+
+
+def test_8bit_weights_need_their_scales_and_float_ones_none():
+    x = torch.randn(2, 8)
+    int8 = skinny_matmul.pack_weight(torch.ones(16, 8, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="8-bit weights need a scale per column"):
+        skinny_matmul.skinny_matmul(x, int8, None, 16)
+    with pytest.raises(RuntimeError, match=r"scale must be float32 \[16\]"):
+        skinny_matmul.skinny_matmul(x, int8, None, 16, torch.ones(8))
+    fp32 = skinny_matmul.pack_weight(torch.ones(16, 8))
+    with pytest.raises(RuntimeError, match="8-bit weights need a scale per column"):
+        skinny_matmul.skinny_matmul(x, fp32, None, 16, torch.ones(16))
+
+
 @pytest.mark.parametrize("threads", [2, 3])
 @pytest.mark.parametrize("rows", [1, 8])
 def test_threads_take_equal_runs_of_blocks_ending_in_short_panels(threads, rows):

@@ -47,6 +47,65 @@ def test_matches_naive_attention(seq_lens, query_lens, heads, block_size, window
     assert torch.isfinite(out).all()  # padding rows too
 
 
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("seq_lens,query_lens", CASES[1:])
+@pytest.mark.parametrize("heads", [(4, 2), (6, 2), (8, 1)])
+@pytest.mark.parametrize("kv_dtype", FP8)
+@pytest.mark.parametrize("head_size", [64, 128])
+def test_an_fp8_cache_matches_naive_attention_over_its_dequantized_values(
+        seq_lens, query_lens, heads, kv_dtype, head_size, ragged_paged_attention):
+    """Written with vLLM's per-tensor scales, read as stored x scale: the kernels' output is
+    the dense attention of what the cache holds (the oracle dequantizes it itself)."""
+    scales = (torch.tensor(0.37), torch.tensor(1.9))
+    query, kv_cache, table, req_of, pos_of, dense, n = make_case(
+        1, seq_lens, query_lens, *heads, head_size, 16, kv_dtype=kv_dtype, kv_scales=scales)
+    assert kv_cache.dtype == kv_dtype
+    out = ragged_paged_attention(query, kv_cache, table, req_of, pos_of, 0.125, None, None,
+                                 None, scales)
+    expected = torch.stack([naive_attention(query[t], *dense[req_of[t]], int(pos_of[t]), 0.125)
+                            for t in range(n)])
+    torch.testing.assert_close(out[:n], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seq_lens,query_lens", TILED_CASES)
+@pytest.mark.parametrize("kv_dtype", FP8)
+@pytest.mark.parametrize("kernel_set", ["reference", pytest.param("cpu", marks=CPU_KERNELS),
+                                        pytest.param("cpu-avx2", marks=CPU_KERNELS)])
+def test_query_tiles_over_an_fp8_cache_match_naive_attention(seq_lens, query_lens, kv_dtype,
+                                                             kernel_set):
+    scales = (torch.tensor(2.5), torch.tensor(0.02))
+    args, tiles, used, dense, n = tiled_case(2, seq_lens, query_lens, (6, 2), 64, 16,
+                                             query_tile=8, kv_dtype=kv_dtype, kv_scales=scales)
+    name, _, isa = kernel_set.partition("-")
+    with cpu_isa(isa or None):
+        out = kernels.get(name).ragged_paged_attention(*args, 0.25, 8, None, tiles, scales)
+    query, _, _, req_of, pos_of = args
+    expected = torch.stack([naive_attention(query[t], *dense[req_of[t]], int(pos_of[t]), 0.25, 8)
+                            for t in range(n)])
+    torch.testing.assert_close(out[:n], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", FP8)
+def test_an_fp8_cache_saturates_and_is_refused_without_scales(kv_dtype):
+    """Past the format's range a value is stored as its largest finite one (torch's e5m2
+    cast alone gives inf); the C++ kernels refuse an 8-bit cache without its scales."""
+    kv_cache = torch.zeros(2, 4, 1, 2 * 64, dtype=kv_dtype)
+    big = torch.full((1, 1, 64), 1e6)
+    write_kv(kv_cache, big, -big, torch.tensor([5]), (torch.tensor(1.0), torch.tensor(1.0)))
+    row = kv_cache[1, 1, 0].float()
+    limit = torch.finfo(kv_dtype).max
+    assert (row[:64] == limit).all() and (row[64:] == -limit).all()
+    if not cpu_kernels.extension.cpu_supported():
+        return
+    cpu_kernels.kernel_set()  # loads the ops
+    with pytest.raises(RuntimeError, match="an 8-bit kv_cache needs k_scale and v_scale"):
+        torch.ops.neuron_serve.paged_attention(torch.zeros(1, 1, 64), kv_cache,
+                                               torch.tensor([[1]]), torch.tensor([0]),
+                                               torch.tensor([1]), 0.125, 0, 0.0)
+
+
 def test_write_kv_touches_only_the_given_slots():
     kv_cache = torch.zeros(4, 8, 2, 6)
     key, value = torch.ones(3, 2, 3), 2 * torch.ones(3, 2, 3)

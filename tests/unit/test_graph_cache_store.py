@@ -111,13 +111,15 @@ def test_export_then_import_into_another_cache(cache, tmp_path):
     assert other.entries()[key(1).digest]["compile_seconds"] == 3.0
 
 
-def fake_vllm_config(layers: int = 2, path: str = "/a", dtype: str = "torch.float32"):
+def fake_vllm_config(layers: int = 2, path: str = "/a", dtype: str = "torch.float32",
+                     quantization: str | None = None, cache_dtype: str = "auto"):
     hf = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": layers,
           "hidden_size": 128, "_name_or_path": path, "transformers_version": "5.16.1"}
     return SimpleNamespace(
         model_config=SimpleNamespace(hf_config=SimpleNamespace(to_dict=lambda: dict(hf)),
-                                     dtype=dtype, model_impl="auto", architectures=hf["architectures"]),
-        cache_config=SimpleNamespace(cache_dtype="auto", block_size=32),
+                                     dtype=dtype, model_impl="auto", architectures=hf["architectures"],
+                                     quantization=quantization),
+        cache_config=SimpleNamespace(cache_dtype=cache_dtype, block_size=32),
         parallel_config=SimpleNamespace(rank=0, tensor_parallel_size=1))
 
 
@@ -127,6 +129,9 @@ def test_the_key_covers_what_shapes_a_graph_and_nothing_else():
     assert graph_key(fake_vllm_config(path="/elsewhere"), Bucket(64, 4, 16), 128, options).digest == base
     for other in (graph_key(fake_vllm_config(layers=3), Bucket(64, 4, 16), 128, options),
                   graph_key(fake_vllm_config(dtype="torch.bfloat16"), Bucket(64, 4, 16), 128, options),
+                  graph_key(fake_vllm_config(quantization="fp8_per_tensor"), Bucket(64, 4, 16), 128,
+                            options),
+                  graph_key(fake_vllm_config(cache_dtype="fp8"), Bucket(64, 4, 16), 128, options),
                   graph_key(fake_vllm_config(), Bucket(64, 4, 4), 128, options),
                   graph_key(fake_vllm_config(), Bucket(64, 4, 16), 256, options),
                   graph_key(fake_vllm_config(), Bucket(64, 4, 16), 128, {**options, "threads": 1})):

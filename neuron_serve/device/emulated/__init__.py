@@ -80,14 +80,25 @@ class EmulatedDevice(Device):
         CpuPlatform.import_kernels()
 
     def init_worker_process(self, slot: int = 0, ranks_on_host: int = 1) -> None:
+        from neuron_serve.device.emulated import quantized_linear
+
         setup.worker_process()
         setup.share_cores(slot, ranks_on_host)
+        quantized_linear.register()  # 8-bit weights: before vLLM builds a model
+
+    def accept_quantization(self, method: str) -> None:
+        from neuron_serve.device.emulated import quantized_linear
+
+        quantized_linear.accept_float32(method)
 
     def prepare_model(self, model: nn.Module) -> None:
         """Linear layers on oneDNN with prepacked weights, decode-sized ones on our own
         kernel (linear.py)."""
-        from neuron_serve.device.emulated import linear
+        from neuron_serve.device.emulated import linear, quantized_linear
 
+        head = quantized_linear.quantize_lm_head(model)
+        if head is not None:
+            logger.info("emulated backend: LM head's copy quantized to %s", head)
         if linear.supported():
             count = linear.pack_linear_layers(model)
             logger.info("emulated backend: %d linear layers on %s matmuls", count,

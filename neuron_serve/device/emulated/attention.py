@@ -23,41 +23,42 @@ def kernel_set() -> kernels.KernelSet:
 
 
 def _supported(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """What the C++ kernels handle: float32 query and cache, head size 64 or 128 (decided
-    when the graph is traced)."""
-    return (query.dtype == torch.float32 and kv_cache.dtype == torch.float32
-            and query.shape[-1] in (64, 128))
+    """What the C++ kernels handle: float32 query, float32 or 8-bit cache, head size 64 or
+    128 (decided when the graph is traced)."""
+    return (query.dtype == torch.float32 and query.shape[-1] in (64, 128)
+            and (kv_cache.dtype == torch.float32 or kernels.is_quantized(kv_cache)))
 
 
 def attend_each_token(query, kv_cache, block_table, token_req, token_pos, scale,
-                      sliding_window, soft_cap) -> torch.Tensor:
+                      sliding_window, soft_cap, kv_scales=None) -> torch.Tensor:
     """`kernels.attend_each_token` on the C++ kernel where it applies."""
     if not _supported(query, kv_cache):
         return kernels.attend_each_token(query, kv_cache, block_table, token_req, token_pos,
-                                         scale, sliding_window, soft_cap)
+                                         scale, sliding_window, soft_cap, kv_scales)
     return torch.ops.neuron_serve.paged_attention(query, kv_cache, block_table, token_req,
                                                   token_pos, scale, sliding_window or 0,
-                                                  soft_cap or 0.0)
+                                                  soft_cap or 0.0, *(kv_scales or ()))
 
 
 def attend_query_tiles(query, kv_cache, block_table, token_pos, tiles, scale, sliding_window,
-                       soft_cap) -> torch.Tensor:
+                       soft_cap, kv_scales=None) -> torch.Tensor:
     """`kernels.attend_query_tiles` on the C++ kernel where it applies."""
     if not _supported(query, kv_cache):
         return kernels.attend_query_tiles(query, kv_cache, block_table, token_pos, tiles,
-                                          scale, sliding_window, soft_cap)
+                                          scale, sliding_window, soft_cap, kv_scales)
     return torch.ops.neuron_serve.paged_attention_tiles(
         query, kv_cache, block_table, tiles.tile_token, tiles.tile_req, token_pos, scale,
-        sliding_window or 0, soft_cap or 0.0)
+        sliding_window or 0, soft_cap or 0.0, *(kv_scales or ()))
 
 
 @functools.cache
 def _register_fake() -> None:
     @torch.library.register_fake("neuron_serve::paged_attention")
-    def _(query, kv_cache, block_table, token_req, token_pos, scale, sliding_window, soft_cap):
+    def _(query, kv_cache, block_table, token_req, token_pos, scale, sliding_window, soft_cap,
+          k_scale=None, v_scale=None):
         return torch.empty_like(query, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("neuron_serve::paged_attention_tiles")
     def _(query, kv_cache, block_table, tile_token, tile_req, token_pos, scale,
-          sliding_window, soft_cap):
+          sliding_window, soft_cap, k_scale=None, v_scale=None):
         return query.new_empty((tile_token.numel(), *query.shape[1:]))

@@ -21,7 +21,7 @@ from neuron_serve import envs
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (_CSRC / "skinny_matmul.cpp", _CSRC / "paged_attention.cpp")
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 
 
 def cpu_supported() -> bool:

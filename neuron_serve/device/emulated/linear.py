@@ -127,11 +127,12 @@ def pack_linear_layers(model: nn.Module) -> int:
 
 def packed_weight_bytes(model: nn.Module) -> int:
     """Memory the packed weights hold outside the model's parameters: oneDNN's copy of each
-    layer and the skinny kernel's."""
+    layer, the skinny kernel's, and 8-bit layers' blocks (quantized_linear.py)."""
     total = 0
     for module in model.modules():
         total += getattr(module, "packed_bytes", 0)
-        skinny = getattr(module, "skinny_weight", None)
-        if skinny is not None:
-            total += skinny.numel() * skinny.element_size()
+        for name in ("skinny_weight", "weight_blocks", "weight_block_scale"):
+            buffer = getattr(module, name, None)
+            if buffer is not None:
+                total += buffer.numel() * buffer.element_size()
     return total

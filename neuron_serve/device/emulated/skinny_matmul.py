@@ -43,12 +43,13 @@ def load() -> None:
 @functools.cache
 def _register_fake() -> None:
     @torch.library.register_fake("neuron_serve::skinny_matmul")
-    def _(x, weight_blocks, bias, out_features):
+    def _(x, weight_blocks, bias, out_features, scale=None):
         return x.new_empty((x.shape[0], out_features))
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [ceil(N / 16), K, 16]: column blocks the kernel streams front to back."""
+    """[N, K] -> [ceil(N / 16), K, 16]: column blocks the kernel streams front to back
+    (float32, int8 or float8_e4m3fn)."""
     out_features, in_features = weight.shape
     blocks = -(-out_features // _BLOCK)
     padded = weight.new_zeros(blocks * _BLOCK, in_features)
@@ -56,7 +57,18 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(blocks, _BLOCK, in_features).transpose(1, 2).contiguous()
 
 
+def pack_scale(scale: torch.Tensor, weight_dtype: torch.dtype) -> torch.Tensor:
+    """Per-column scales [N] of 8-bit weights as the kernel takes them: padded to whole
+    blocks, times 2^8 for e4m3 (the kernel reads e4m3 bytes as halves, 2^-8 of their value)."""
+    unit = 256.0 if weight_dtype == torch.float8_e4m3fn else 1.0
+    blocks = -(-scale.numel() // _BLOCK)
+    out = scale.new_zeros(blocks * _BLOCK, dtype=torch.float32)
+    out[:scale.numel()] = scale.float().flatten() * unit
+    return out
+
+
 def skinny_matmul(x: torch.Tensor, weight_blocks: torch.Tensor, bias: torch.Tensor | None,
-                  out_features: int) -> torch.Tensor:
-    """`x @ W.T + bias` for x [rows, in_features] and W packed by `pack_weight`."""
-    return torch.ops.neuron_serve.skinny_matmul(x, weight_blocks, bias, out_features)
+                  out_features: int, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ W.T + bias` for x [rows, in_features] and W packed by `pack_weight`; 8-bit
+    weights are W / scale per column, with `scale` packed by `pack_scale`."""
+    return torch.ops.neuron_serve.skinny_matmul(x, weight_blocks, bias, out_features, scale)

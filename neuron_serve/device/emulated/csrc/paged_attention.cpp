@@ -8,7 +8,10 @@
 // their scores, a softmax, then the values weighted by it (a decode token: chunk by chunk,
 // with a running softmax; with fewer tokens than threads, in parts merged at the end).
 //
-// KV cache: [num_blocks, block_size, num_kv_heads, 2 * head_size], key then value.
+// KV cache: [num_blocks, block_size, num_kv_heads, 2 * head_size], key then value: float32,
+// or 8 bits (float8 e4m3 / e5m2, per-tensor scales). An 8-bit cache's positions are
+// dequantized as they are read (a decode token's chunk, a tile's context), into per-thread
+// scratch that the float32 code then reads from L1 / L2: memory sees one byte per element.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -22,6 +25,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -95,12 +99,54 @@ struct Shapes {
   int64_t heads, kv_heads, block_size, blocks_per_req;
 };
 
+enum class Format { kFloat32, kE4M3, kE5M2 };
+
+// 8 float8 values as floats, through F16C: an e5m2 byte is a half's top byte; an e4m3
+// byte's exponent and mantissa moved into a half's read its value times 2^-8 (bias 7
+// against 15), subnormals included, which the scale undoes (KvCache). The e4m3 NaN reads
+// 480: the writer saturates, so the cache holds none.
+inline __m256 fp8x8(const uint8_t* p, Format format) {
+  __m128i h = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  if (format == Format::kE5M2) {
+    h = _mm_slli_epi16(h, 8);
+  } else {
+    h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x80)), 8),
+                     _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7F)), 7));
+  }
+  return _mm256_cvtph_ps(h);
+}
+
+// The KV cache as the kernels read it.
+struct KvCache {
+  const char* data;
+  Format format;
+  int64_t row_elems;       // one position of a block: kv_heads * 2 * head_size
+  float k_scale, v_scale;  // an 8-bit cache's, times 2^8 for e4m3 (fp8x8)
+
+  bool quantized() const { return format != Format::kFloat32; }
+  const char* row(const int64_t* blocks, int64_t pos, int64_t block_size) const {
+    const int64_t slot = blocks[pos / block_size] * block_size + pos % block_size;
+    return data + slot * row_elems * (quantized() ? 1 : sizeof(float));
+  }
+  // Elements [begin, begin + 2 * D) of an 8-bit row (one KV head's key and value) into dst.
+  void dequantize(const char* row, int64_t begin, int64_t head_size, float* dst) const {
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(row) + begin;
+    const __m256 ks = _mm256_set1_ps(k_scale), vs = _mm256_set1_ps(v_scale);
+    for (int64_t d = 0; d < head_size; d += 8) {
+      _mm256_storeu_ps(dst + d, _mm256_mul_ps(fp8x8(src + d, format), ks));
+      _mm256_storeu_ps(dst + head_size + d,
+                       _mm256_mul_ps(fp8x8(src + head_size + d, format), vs));
+    }
+  }
+};
+
 constexpr int64_t kMaxHeads = 256;  // query heads
 constexpr int64_t kMaxParts = 64;   // parts one token's positions are split into (threads)
 
 struct Scratch {  // per thread, reused across tokens
   std::vector<float> probs;
   std::vector<const float*> rows;
+  std::vector<float> dequantized;  // a chunk's rows of an 8-bit cache
 };
 
 // out[g] = keep[g] * out[g] + sum_i probs[g][i] * value_i for G query heads sharing a KV
@@ -345,24 +391,40 @@ constexpr int64_t kChunk = 32;
 // block streams front to back. Leaves out unnormalized: per head h, the sum of
 // e^(score - max[h]) * value, with sum[h] the sum of those weights (merge_parts divides).
 template <int D>
-void attend(const float* q, const float* kv, const int64_t* blocks, int64_t first,
+void attend(const float* q, const KvCache& cache, const int64_t* blocks, int64_t first,
             int64_t last, const Shapes& s, float scale, float soft_cap,
             Scratch& scratch, float* out, float* max, float* sum) {
   const int64_t n = last - first + 1, group = s.heads / s.kv_heads;
   const int64_t row_floats = s.kv_heads * 2 * D;  // one position of a block
-  std::vector<const float*>& row_at = scratch.rows;  // i-th visible position; then the last
-  row_at.resize(n + 8);
-  for (int64_t i = 0; i < n + 8; ++i) {
-    const int64_t pos = first + std::min(i, n - 1);
-    row_at[i] = kv + (blocks[pos / s.block_size] * s.block_size + pos % s.block_size) * row_floats;
-  }
+  // The i-th visible position's row, then the last one 8 times (score_positions reads
+  // 8 at a time); for an 8-bit cache, the current chunk's dequantized rows.
+  std::vector<const float*>& row_at = scratch.rows;
+  row_at.resize(cache.quantized() ? kChunk + 8 : n + 8);
+  if (cache.quantized())
+    scratch.dequantized.resize(kChunk * row_floats);
+  else
+    for (int64_t i = 0; i < n + 8; ++i)
+      row_at[i] = reinterpret_cast<const float*>(
+          cache.row(blocks, first + std::min(i, n - 1), s.block_size));
   std::vector<float>& probs = scratch.probs;
   probs.resize(s.heads * kChunk);
   float keep[kMaxHeads];
   for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
     const int64_t count = std::min(kChunk, n - c0);
-    load_rows(row_at.data() + c0, count, row_floats);
-    score_positions<D>(row_at.data() + c0, count, q, s, scale, probs.data(), kChunk);
+    const float* const* rows = row_at.data() + c0;
+    if (cache.quantized()) {
+      for (int64_t i = 0; i < count; ++i) {
+        float* dst = scratch.dequantized.data() + i * row_floats;
+        const char* row = cache.row(blocks, first + c0 + i, s.block_size);
+        for (int64_t h = 0; h < s.kv_heads; ++h) cache.dequantize(row, h * 2 * D, D, dst + h * 2 * D);
+        row_at[i] = dst;
+      }
+      std::fill(row_at.begin() + count, row_at.begin() + count + 8, row_at[count - 1]);
+      rows = row_at.data();
+    } else {
+      load_rows(rows, count, row_floats);
+    }
+    score_positions<D>(rows, count, q, s, scale, probs.data(), kChunk);
     for (int64_t h = 0; h < s.heads; ++h) {
       float* p = probs.data() + h * kChunk;
       if (soft_cap > 0)
@@ -374,8 +436,8 @@ void attend(const float* q, const float* kv, const int64_t* blocks, int64_t firs
     }
     for (int64_t kv_head = 0; kv_head < s.kv_heads; ++kv_head) {
       const int64_t h = kv_head * group;
-      weigh_group<D>(row_at.data() + c0, count, kv_head * 2 * D + D, probs.data() + h * kChunk,
-                     kChunk, group, keep + h, out + h * D);
+      weigh_group<D>(rows, count, kv_head * 2 * D + D, probs.data() + h * kChunk, kChunk,
+                     group, keep + h, out + h * D);
     }
   }
 }
@@ -407,10 +469,13 @@ Shapes check_inputs(const char* op, const at::Tensor& query, const at::Tensor& k
   TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kFloat, op,
               ": query must be float32 [tokens, heads, head_size], got ", query.sizes(), " ",
               query.scalar_type());
-  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.scalar_type() == at::kFloat &&
-                  kv_cache.is_contiguous() && kv_cache.size(3) == 2 * query.size(2),
-              op, ": kv_cache must be a contiguous float32 [blocks, block_size, kv_heads, "
-              "2 * head_size], got ", kv_cache.sizes());
+  const auto dtype = kv_cache.scalar_type();
+  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.is_contiguous() &&
+                  kv_cache.size(3) == 2 * query.size(2) &&
+                  (dtype == at::kFloat || dtype == at::kFloat8_e4m3fn ||
+                   dtype == at::kFloat8_e5m2),
+              op, ": kv_cache must be a contiguous float32 or float8 (e4m3fn, e5m2) [blocks, "
+              "block_size, kv_heads, 2 * head_size], got ", kv_cache.sizes(), " ", dtype);
   const Shapes s{query.size(1), kv_cache.size(2), kv_cache.size(1), block_table.size(1)};
   const int64_t head_size = query.size(2);
   TORCH_CHECK((head_size == 64 || head_size == 128) && s.heads % s.kv_heads == 0 &&
@@ -418,6 +483,25 @@ Shapes check_inputs(const char* op, const at::Tensor& query, const at::Tensor& k
               op, ": head_size must be 64 or 128 and heads (at most ", kMaxHeads,
               ") a multiple of kv_heads, got ", head_size, " and ", s.heads, "/", s.kv_heads);
   return s;
+}
+
+// The cache and, for an 8-bit one, its scales (0-d float32 tensors).
+KvCache cache_of(const char* op, const at::Tensor& kv_cache,
+                 const std::optional<at::Tensor>& k_scale,
+                 const std::optional<at::Tensor>& v_scale) {
+  const auto dtype = kv_cache.scalar_type();
+  KvCache cache{static_cast<const char*>(kv_cache.const_data_ptr()),
+                dtype == at::kFloat8_e4m3fn ? Format::kE4M3
+                : dtype == at::kFloat8_e5m2 ? Format::kE5M2 : Format::kFloat32,
+                kv_cache.size(2) * kv_cache.size(3), 1.0f, 1.0f};
+  if (!cache.quantized()) return cache;
+  TORCH_CHECK(k_scale.has_value() && v_scale.has_value() && k_scale->numel() == 1 &&
+                  v_scale->numel() == 1,
+              op, ": an 8-bit kv_cache needs k_scale and v_scale, one value each");
+  const float unit = cache.format == Format::kE4M3 ? 256.0f : 1.0f;  // fp8x8
+  cache.k_scale = k_scale->item<float>() * unit;
+  cache.v_scale = v_scale->item<float>() * unit;
+  return cache;
 }
 
 // A token of request `req` at `pos` reads blocks 0..pos / block_size of its row of the block
@@ -437,12 +521,14 @@ void check_context(const char* op, const at::Tensor& block_table, int64_t num_bl
 at::Tensor paged_attention(const at::Tensor& query_in, const at::Tensor& kv_cache,
                            const at::Tensor& block_table_in, const at::Tensor& token_req_in,
                            const at::Tensor& token_pos_in, double scale, int64_t sliding_window,
-                           double soft_cap) {
+                           double soft_cap, const std::optional<at::Tensor>& k_scale,
+                           const std::optional<at::Tensor>& v_scale) {
   const at::Tensor query = query_in.contiguous();
   const at::Tensor block_table = block_table_in.to(at::kLong).contiguous();
   const at::Tensor token_req = token_req_in.to(at::kLong).contiguous();
   const at::Tensor token_pos = token_pos_in.to(at::kLong).contiguous();
   const Shapes s = check_inputs("paged_attention", query, kv_cache, block_table);
+  const KvCache cache = cache_of("paged_attention", kv_cache, k_scale, v_scale);
   const int64_t head_size = query.size(2), tokens = query.size(0);
   const auto attend_token = head_size == 64 ? attend<64> : attend<128>;
   TORCH_CHECK(token_req.numel() == tokens && token_pos.numel() == tokens,
@@ -454,7 +540,6 @@ at::Tensor paged_attention(const at::Tensor& query_in, const at::Tensor& kv_cach
     check_context("paged_attention", block_table, kv_cache.size(0), s, t, req[t], pos[t]);
   at::Tensor out = at::empty_like(query);
   const float* q = query.const_data_ptr<float>();
-  const float* kv = kv_cache.const_data_ptr<float>();
   float* o = out.mutable_data_ptr<float>();
   // Fewer tokens than threads (a decode of one or a few sequences): each token's positions
   // are split into `parts` ranges of at least a chunk, attended by different threads, then
@@ -480,7 +565,7 @@ at::Tensor paged_attention(const at::Tensor& query_in, const at::Tensor& kv_cach
       if (part >= n_parts) continue;
       const int64_t first = first_of(t), n = pos[t] - first + 1;
       float* dest = parts > 1 ? partial.data() + item * head_floats : o + t * head_floats;
-      attend_token(q + t * head_floats, kv, table + req[t] * s.blocks_per_req,
+      attend_token(q + t * head_floats, cache, table + req[t] * s.blocks_per_req,
                    first + part * n / n_parts, first + (part + 1) * n / n_parts - 1, s,
                    static_cast<float>(scale), static_cast<float>(soft_cap), scratch, dest,
                    maxes.data() + item * s.heads, sums.data() + item * s.heads);
@@ -512,6 +597,7 @@ struct TileScratch {  // per thread, reused across work items
   std::vector<float> keys;                // [panels][D][8]
   std::vector<float> scores;              // [tile rows x group][panels x 8]
   std::vector<const float*> rows, query;  // context rows; each query row's head vector
+  std::vector<float> dequantized;         // [positions][2D]: one KV head of an 8-bit cache
 };
 
 // scores[r][8p .. 8p+8) = scale * q[r] . key for R query rows and P consecutive panels.
@@ -558,25 +644,36 @@ void score_rows(int rows, const float* const* q, const float* panels, float scal
 // Positions first[r]..last[r] of tile row r (a token), for the query heads of one KV head;
 // out: the tile's [rows, heads, D] output.
 template <int D>
-void attend_tile(const float* query, const float* kv, const int64_t* blocks,
+void attend_tile(const float* query, const KvCache& cache, const int64_t* blocks,
                  const int64_t* tokens, const int64_t* first, const int64_t* last,
                  int64_t rows, int64_t kv_head, const Shapes& s, float scale, float soft_cap,
                  TileScratch& scratch, float* out) {
-  const int64_t group = s.heads / s.kv_heads, row_floats = s.kv_heads * 2 * D;
+  const int64_t group = s.heads / s.kv_heads;
   const int64_t lo = *std::min_element(first, first + rows);
   const int64_t n = *std::max_element(last, last + rows) - lo + 1;
   const int64_t panels = (n + 7) / 8, width = panels * 8;
+  // Each position's row and where this KV head's key starts in it: an 8-bit cache's
+  // rows are this head's key and value alone, dequantized.
   std::vector<const float*>& row_at = scratch.rows;
   row_at.resize(n);
+  int64_t key_at = kv_head * 2 * D;
+  if (cache.quantized()) scratch.dequantized.resize(n * 2 * D);
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t pos = lo + i;
-    row_at[i] = kv + (blocks[pos / s.block_size] * s.block_size + pos % s.block_size) * row_floats;
+    const char* row = cache.row(blocks, lo + i, s.block_size);
+    if (cache.quantized()) {
+      float* dst = scratch.dequantized.data() + i * 2 * D;
+      cache.dequantize(row, key_at, D, dst);
+      row_at[i] = dst;
+    } else {
+      row_at[i] = reinterpret_cast<const float*>(row);
+    }
   }
+  if (cache.quantized()) key_at = 0;
   scratch.keys.resize(panels * D * 8);
   float* keys = scratch.keys.data();
   std::fill(keys + (panels - 1) * D * 8, keys + panels * D * 8, 0.0f);  // past the last position
   for (int64_t i = 0; i < n; ++i) {
-    const float* key = row_at[i] + kv_head * 2 * D;
+    const float* key = row_at[i] + key_at;
     float* column = keys + (i / 8) * D * 8 + i % 8;
     for (int d = 0; d < D; ++d) column[d * 8] = key[d];
   }
@@ -611,8 +708,8 @@ void attend_tile(const float* query, const float* kv, const int64_t* blocks,
       const float norm = 1.0f / exp_shifted(p, count, max_of(p, count));
       for (int64_t i = 0; i < count; ++i) p[i] *= norm;
     }
-    weigh_group<D>(row_at.data() + offset, count, kv_head * 2 * D + D, row_scores, width, group,
-                   fresh, out + (r * s.heads + kv_head * group) * D);
+    weigh_group<D>(row_at.data() + offset, count, key_at + D, row_scores, width, group, fresh,
+                   out + (r * s.heads + kv_head * group) * D);
   }
 }
 
@@ -624,7 +721,9 @@ at::Tensor paged_attention_tiles(const at::Tensor& query_in, const at::Tensor& k
                                  const at::Tensor& block_table_in,
                                  const at::Tensor& tile_token_in, const at::Tensor& tile_req_in,
                                  const at::Tensor& token_pos_in, double scale,
-                                 int64_t sliding_window, double soft_cap) {
+                                 int64_t sliding_window, double soft_cap,
+                                 const std::optional<at::Tensor>& k_scale,
+                                 const std::optional<at::Tensor>& v_scale) {
   const char* op = "paged_attention_tiles";
   const at::Tensor query = query_in.contiguous();
   const at::Tensor block_table = block_table_in.to(at::kLong).contiguous();
@@ -632,6 +731,7 @@ at::Tensor paged_attention_tiles(const at::Tensor& query_in, const at::Tensor& k
   const at::Tensor tile_req = tile_req_in.to(at::kLong).contiguous();
   const at::Tensor token_pos = token_pos_in.to(at::kLong).contiguous();
   const Shapes s = check_inputs(op, query, kv_cache, block_table);
+  const KvCache cache = cache_of(op, kv_cache, k_scale, v_scale);
   TORCH_CHECK(tile_token.dim() == 2 && tile_req.numel() == tile_token.size(0) &&
                   token_pos.numel() == query.size(0),
               op, ": need tile_token [tiles, q], tile_req [tiles] and token_pos [tokens], got ",
@@ -669,7 +769,6 @@ at::Tensor paged_attention_tiles(const at::Tensor& query_in, const at::Tensor& k
   at::Tensor out = at::zeros({num_tiles * q, s.heads, head_size}, query.options());
   const auto attend = head_size == 64 ? attend_tile<64> : attend_tile<128>;
   const float* qp = query.const_data_ptr<float>();
-  const float* kv = kv_cache.const_data_ptr<float>();
   const int64_t* table = block_table.const_data_ptr<int64_t>();
   float* o = out.mutable_data_ptr<float>();
   const int64_t threads = at::get_num_threads();
@@ -678,7 +777,7 @@ at::Tensor paged_attention_tiles(const at::Tensor& query_in, const at::Tensor& k
     for (int64_t thread = begin; thread < end; ++thread)
       for (size_t k = thread; k < items.size(); k += threads) {
         const int64_t i = items[k] / s.kv_heads, kv_head = items[k] % s.kv_heads;
-        attend(qp, kv, table + req[i] * s.blocks_per_req, tok + i * q, first.data() + i * q,
+        attend(qp, cache, table + req[i] * s.blocks_per_req, tok + i * q, first.data() + i * q,
                last.data() + i * q, rows[i], kv_head, s, static_cast<float>(scale),
                static_cast<float>(soft_cap), scratch, o + i * q * s.heads * head_size);
       }
@@ -696,10 +795,11 @@ std::string paged_attention_isa(bool avx2_only_) {
 
 TORCH_LIBRARY_FRAGMENT(neuron_serve, m) {
   m.def("paged_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor token_req, "
-        "Tensor token_pos, float scale, int sliding_window, float soft_cap) -> Tensor");
+        "Tensor token_pos, float scale, int sliding_window, float soft_cap, "
+        "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
   m.def("paged_attention_tiles(Tensor query, Tensor kv_cache, Tensor block_table, "
         "Tensor tile_token, Tensor tile_req, Tensor token_pos, float scale, int sliding_window, "
-        "float soft_cap) -> Tensor");
+        "float soft_cap, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
   m.def("paged_attention_isa(bool avx2_only) -> str", &paged_attention_isa);
 }
 

@@ -8,6 +8,10 @@
 // time, stay in L1. A tile is a set of accumulators per row (2 x 8 floats per block on
 // AVX2, one 16-float register per block on AVX-512), written out once: no horizontal sums,
 // no packing per call.
+//
+// 8-bit weights (int8, or float8 e4m3) keep the same layout, one byte per weight, with a
+// scale per output column: a block's 16 weights are widened to floats as they are loaded,
+// and the sums are scaled once at the end. The memory reads a quarter of float32's bytes.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -25,6 +29,44 @@
 
 namespace {
 
+// How a weight block's 16 values load as floats (8 at a time on AVX2, 16 on AVX-512).
+struct Float32 {
+  using T = float;
+  static __m256 load8(const T* p) { return _mm256_loadu_ps(p); }
+  __attribute__((target("avx512f"))) static __m512 load16(const T* p) {
+    return _mm512_loadu_ps(p);
+  }
+};
+
+struct Int8 {
+  using T = int8_t;
+  static __m256 load8(const T* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  __attribute__((target("avx512f"))) static __m512 load16(const T* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+};
+
+// e4m3 through F16C: the byte's exponent and mantissa moved into a half's read its value
+// times 2^-8 (bias 7 against 15), subnormals included; the column scales undo the 2^-8.
+struct E4M3 {
+  using T = uint8_t;
+  static __m128i halves(__m128i h) {  // 8 bytes widened to 16 bits → 8 halves
+    return _mm_or_si128(_mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x80)), 8),
+                        _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7F)), 7));
+  }
+  static __m256 load8(const T* p) {
+    return _mm256_cvtph_ps(halves(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+  }
+  __attribute__((target("avx512f"))) static __m512 load16(const T* p) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i lo = halves(_mm_cvtepu8_epi16(bytes));
+    const __m128i hi = halves(_mm_cvtepu8_epi16(_mm_srli_si128(bytes, 8)));
+    return _mm512_cvtph_ps(_mm256_set_m128i(hi, lo));
+  }
+};
+
 constexpr int64_t kBlock = 16;  // output columns per weight block: two 8-float registers
 constexpr int kMaxTileRows = 6;  // 12 accumulators + 2 weight registers of AVX2's 16
 
@@ -32,25 +74,35 @@ constexpr int kMaxTileRows = 6;  // 12 accumulators + 2 weight registers of AVX2
 struct Panel {
   const float* x;
   int64_t in_features;
-  const float* weight;  // the panel's first block
+  const void* weight;   // the panel's first block
   const float* bias;    // blocks * 16 values, or null
+  const float* scale;   // 8-bit weights: blocks * 16 column scales; float32: null
   float* y;
   int64_t ldy;
   int64_t columns;      // valid output columns of the panel (its last block may be partial)
-  const float* next;    // the next panel, fetched into L2 while this one computes, or null
+  const void* next;     // the next panel, fetched into L2 while this one computes, or null
   int64_t pass, passes; // this call is row tile `pass` of `passes` over the same panel
 };
+
+// acc * scale + bias of 8 columns (an unscaled tile started from the bias).
+inline __m256 finish8(__m256 acc, const Panel& p, int64_t column) {
+  if (!p.scale) return acc;
+  const __m256 bias = p.bias ? _mm256_loadu_ps(p.bias + column) : _mm256_setzero_ps();
+  return _mm256_fmadd_ps(acc, _mm256_loadu_ps(p.scale + column), bias);
+}
 
 // y[m, 0:16] = bias + sum_k x[m, k] * block[k, 0:16] for Rows rows of x, one block. Every
 // loop over rows is unrolled so the accumulators live in registers: a loop the compiler
 // keeps (it kept the epilogue's) pins them to the stack, with a store per FMA pair.
-template <int Rows>
+template <int Rows, typename W>
 void tile(const Panel& p) {
   const float* x = p.x;
+  const typename W::T* weight = static_cast<const typename W::T*>(p.weight);
   const int64_t in_features = p.in_features;
   __m256 lo[Rows], hi[Rows];
-  const __m256 bias_lo = p.bias ? _mm256_loadu_ps(p.bias) : _mm256_setzero_ps();
-  const __m256 bias_hi = p.bias ? _mm256_loadu_ps(p.bias + 8) : _mm256_setzero_ps();
+  const bool start_at_bias = p.bias && !p.scale;
+  const __m256 bias_lo = start_at_bias ? _mm256_loadu_ps(p.bias) : _mm256_setzero_ps();
+  const __m256 bias_hi = start_at_bias ? _mm256_loadu_ps(p.bias + 8) : _mm256_setzero_ps();
 #pragma GCC unroll 8
   for (int m = 0; m < Rows; ++m) lo[m] = bias_lo, hi[m] = bias_hi;
   int64_t k = 0;
@@ -60,9 +112,9 @@ void tile(const Panel& p) {
 #pragma GCC unroll 8
     for (int m = 0; m < Rows; ++m) lo2[m] = hi2[m] = _mm256_setzero_ps();
     for (; k + 1 < in_features; k += 2) {
-      const float* w = p.weight + k * kBlock;
-      const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
-      const __m256 w2 = _mm256_loadu_ps(w + 16), w3 = _mm256_loadu_ps(w + 24);
+      const typename W::T* w = weight + k * kBlock;
+      const __m256 w0 = W::load8(w), w1 = W::load8(w + 8);
+      const __m256 w2 = W::load8(w + 16), w3 = W::load8(w + 24);
 #pragma GCC unroll 8
       for (int m = 0; m < Rows; ++m) {
         const __m256 a = _mm256_broadcast_ss(x + m * in_features + k);
@@ -80,8 +132,8 @@ void tile(const Panel& p) {
     }
   }
   for (; k < in_features; ++k) {
-    const float* w = p.weight + k * kBlock;
-    const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+    const typename W::T* w = weight + k * kBlock;
+    const __m256 w0 = W::load8(w), w1 = W::load8(w + 8);
 #pragma GCC unroll 8
     for (int m = 0; m < Rows; ++m) {
       const __m256 a = _mm256_broadcast_ss(x + m * in_features + k);
@@ -89,6 +141,8 @@ void tile(const Panel& p) {
       hi[m] = _mm256_fmadd_ps(w1, a, hi[m]);
     }
   }
+#pragma GCC unroll 8
+  for (int m = 0; m < Rows; ++m) lo[m] = finish8(lo[m], p, 0), hi[m] = finish8(hi[m], p, 8);
   if (p.columns == kBlock) {
 #pragma GCC unroll 8
     for (int m = 0; m < Rows; ++m) {
@@ -122,13 +176,17 @@ constexpr int64_t kPrefetchAhead = 32 * kBlock;
 
 int blocks_per_panel512(int64_t tile_rows) { return tile_rows <= 6 ? 4 : 3; }
 
-template <int Rows, int Blocks>
+template <int Rows, int Blocks, typename W>
 __attribute__((target("avx512f"))) void tile512(const Panel& p) {
+  using T = typename W::T;
+  const T* weight = static_cast<const T*>(p.weight);
+  const T* next = static_cast<const T*>(p.next);
   const int64_t stride = p.in_features * kBlock;  // from one block to the next
   __m512 acc[Rows][Blocks];
 #pragma GCC unroll 4
   for (int b = 0; b < Blocks; ++b) {
-    const __m512 start = p.bias ? _mm512_loadu_ps(p.bias + b * kBlock) : _mm512_setzero_ps();
+    const __m512 start = p.bias && !p.scale ? _mm512_loadu_ps(p.bias + b * kBlock)
+                                            : _mm512_setzero_ps();
 #pragma GCC unroll 8
     for (int m = 0; m < Rows; ++m) acc[m][b] = start;
   }
@@ -137,17 +195,17 @@ __attribute__((target("avx512f"))) void tile512(const Panel& p) {
     __m512 w[Blocks];
 #pragma GCC unroll 4
     for (int b = 0; b < Blocks; ++b) {
-      const float* row = p.weight + b * stride + k * kBlock;
-      w[b] = _mm512_loadu_ps(row);
+      const T* row = weight + b * stride + k * kBlock;
+      w[b] = W::load16(row);
       if constexpr (Rows >= kMinPrefetchRows)
         _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchAhead), _MM_HINT_T0);
     }
     // One row of the next panel per `passes` rows.
-    if (Rows >= kMinPrefetchRows && p.next && ++phase == p.passes) {
+    if (Rows >= kMinPrefetchRows && next && ++phase == p.passes) {
       phase = 0;
 #pragma GCC unroll 4
       for (int b = 0; b < Blocks; ++b)
-        _mm_prefetch(reinterpret_cast<const char*>(p.next + b * stride + next_k * kBlock),
+        _mm_prefetch(reinterpret_cast<const char*>(next + b * stride + next_k * kBlock),
                      _MM_HINT_T1);
       ++next_k;
     }
@@ -162,6 +220,12 @@ __attribute__((target("avx512f"))) void tile512(const Panel& p) {
   for (int b = 0; b < Blocks; ++b) {
     const int64_t valid = std::clamp<int64_t>(p.columns - b * kBlock, 0, kBlock);
     const __mmask16 mask = valid == kBlock ? 0xFFFF : (1u << valid) - 1;
+    if (p.scale) {  // acc * scale + bias
+      const __m512 scale = _mm512_loadu_ps(p.scale + b * kBlock);
+      const __m512 bias = p.bias ? _mm512_loadu_ps(p.bias + b * kBlock) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+      for (int m = 0; m < Rows; ++m) acc[m][b] = _mm512_fmadd_ps(acc[m][b], scale, bias);
+    }
 #pragma GCC unroll 8
     for (int m = 0; m < Rows; ++m)
       _mm512_mask_storeu_ps(p.y + m * p.ldy + b * kBlock, mask, acc[m][b]);
@@ -170,31 +234,48 @@ __attribute__((target("avx512f"))) void tile512(const Panel& p) {
 
 using TileFn = void (*)(const Panel&);
 
-template <int Rows>
+template <typename W, int Rows>
 constexpr std::array<TileFn, kMaxBlocks512 + 1> row_tiles512() {
-  return {nullptr, tile512<Rows, 1>, tile512<Rows, 2>, tile512<Rows, 3>, tile512<Rows, 4>};
+  return {nullptr, tile512<Rows, 1, W>, tile512<Rows, 2, W>, tile512<Rows, 3, W>,
+          tile512<Rows, 4, W>};
 }
 
-template <int... Rows>
+template <typename W, int... Rows>
 constexpr std::array<std::array<TileFn, kMaxBlocks512 + 1>, sizeof...(Rows) + 1> tiles512(
     std::integer_sequence<int, Rows...>) {
-  return {std::array<TileFn, kMaxBlocks512 + 1>{}, row_tiles512<Rows + 1>()...};
+  return {std::array<TileFn, kMaxBlocks512 + 1>{}, row_tiles512<W, Rows + 1>()...};
 }
 
-constexpr TileFn kTiles[kMaxTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>,
-                                             tile<4>, tile<5>, tile<6>};
-constexpr auto kTiles512 = tiles512(std::make_integer_sequence<int, kMaxTileRows512>());
+// The tiles of one weight format: AVX2's [rows], AVX-512's [rows][blocks].
+template <typename W>
+struct Tiles {
+  static constexpr TileFn avx2[kMaxTileRows + 1] = {nullptr, tile<1, W>, tile<2, W>, tile<3, W>,
+                                                    tile<4, W>, tile<5, W>, tile<6, W>};
+  static constexpr auto avx512 =
+      tiles512<W>(std::make_integer_sequence<int, kMaxTileRows512>());
+};
+
+enum class Format { kFloat32, kInt8, kE4M3 };
 
 // The tiles a call runs: AVX-512's (panels of 3-4 blocks) or AVX2's (one block).
 struct Kernel {
   bool avx512;
+  Format format = Format::kFloat32;
 
   int64_t max_tile_rows() const { return avx512 ? kMaxTileRows512 : kMaxTileRows; }
   int64_t blocks_per_panel(int64_t tile_rows) const {
     return avx512 ? blocks_per_panel512(tile_rows) : 1;
   }
   TileFn tile(int64_t rows, int64_t blocks) const {
-    return avx512 ? kTiles512[rows][blocks] : kTiles[rows];
+    switch (format) {
+      case Format::kInt8: return pick<Int8>(rows, blocks);
+      case Format::kE4M3: return pick<E4M3>(rows, blocks);
+      default: return pick<Float32>(rows, blocks);
+    }
+  }
+  template <typename W>
+  TileFn pick(int64_t rows, int64_t blocks) const {
+    return avx512 ? Tiles<W>::avx512[rows][blocks] : Tiles<W>::avx2[rows];
   }
 };
 
@@ -212,20 +293,36 @@ std::string skinny_matmul_isa(bool avx2_only_) {
   return pick_kernel().avx512 ? "avx512" : "avx2";
 }
 
-// weight_blocks: [ceil(N / 16), K, 16], zero beyond column N (pack_weight in Python).
+// weight_blocks: [ceil(N / 16), K, 16], zero beyond column N (pack_weight in Python):
+// float32, or int8 / float8_e4m3fn with `scale`, float32 [ceil(N / 16) * 16] per column.
 at::Tensor skinny_matmul(const at::Tensor& x_in, const at::Tensor& weight_blocks,
-                         const std::optional<at::Tensor>& bias_in, int64_t out_features) {
+                         const std::optional<at::Tensor>& bias_in, int64_t out_features,
+                         const std::optional<at::Tensor>& scale_in) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat,
               "skinny_matmul: x must be a 2-d float32 tensor, got ", x_in.sizes());
   const at::Tensor x = x_in.contiguous();
   const int64_t rows = x.size(0), in_features = x.size(1);
   const int64_t blocks = (out_features + kBlock - 1) / kBlock;
-  TORCH_CHECK(weight_blocks.scalar_type() == at::kFloat && weight_blocks.is_contiguous() &&
-                  weight_blocks.dim() == 3 &&
+  const auto dtype = weight_blocks.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kChar || dtype == at::kFloat8_e4m3fn) &&
+                  weight_blocks.is_contiguous() && weight_blocks.dim() == 3 &&
                   weight_blocks.size(0) == blocks && weight_blocks.size(1) == in_features &&
                   weight_blocks.size(2) == kBlock,
-              "skinny_matmul: weight blocks ", weight_blocks.sizes(), " do not fit x ",
-              x.sizes(), " and ", out_features, " outputs");
+              "skinny_matmul: weight blocks ", weight_blocks.sizes(), " ", dtype,
+              " do not fit x ", x.sizes(), " and ", out_features, " outputs (float32, int8 or "
+              "float8_e4m3fn)");
+  const bool scaled = dtype != at::kFloat;
+  TORCH_CHECK(scaled == (scale_in.has_value() && scale_in->defined()),
+              "skinny_matmul: 8-bit weights need a scale per column, float32 ones none");
+  at::Tensor scale_tensor;
+  const float* scale = nullptr;
+  if (scaled) {
+    TORCH_CHECK(scale_in->scalar_type() == at::kFloat && scale_in->numel() == blocks * kBlock,
+                "skinny_matmul: scale must be float32 [", blocks * kBlock, "], got ",
+                scale_in->sizes());
+    scale_tensor = scale_in->contiguous();
+    scale = scale_tensor.const_data_ptr<float>();
+  }
   at::Tensor bias_tensor;
   const float* bias = nullptr;
   if (bias_in.has_value() && bias_in->defined()) {
@@ -238,16 +335,18 @@ at::Tensor skinny_matmul(const at::Tensor& x_in, const at::Tensor& weight_blocks
   }
   at::Tensor y = at::empty({rows, out_features}, x.options());
   const float* xp = x.const_data_ptr<float>();
-  const float* wp = weight_blocks.const_data_ptr<float>();
+  const char* wp = static_cast<const char*>(weight_blocks.const_data_ptr());
   float* yp = y.mutable_data_ptr<float>();
-  const Kernel kernel = pick_kernel();
+  Kernel kernel = pick_kernel();
+  kernel.format = dtype == at::kChar ? Format::kInt8
+                  : dtype == at::kFloat8_e4m3fn ? Format::kE4M3 : Format::kFloat32;
   // Row tiles of near-equal height: on AVX2 (at most 6) 8 rows run as 4 + 4, 16 as 6 + 5 + 5.
   const int64_t tiles = (rows + kernel.max_tile_rows() - 1) / kernel.max_tile_rows();
   const int64_t width = kernel.blocks_per_panel((rows + tiles - 1) / tiles);
-  const int64_t block_floats = in_features * kBlock;
+  const int64_t block_bytes = in_features * kBlock * weight_blocks.element_size();
   // Threads take equal runs of blocks, not of panels: 36 blocks in panels of 4 would split
   // 5 + 4 panels. A task streams at least ~64 KB of weights so small layers skip the fork.
-  const int64_t grain = std::max<int64_t>(1, 65536 / (block_floats * 4));
+  const int64_t grain = std::max<int64_t>(1, 65536 / block_bytes);
   at::parallel_for(0, blocks, grain, [&](int64_t first, int64_t last) {
     for (int64_t block = first; block < last; block += width) {
       const int64_t panel_blocks = std::min(width, last - block);
@@ -260,9 +359,9 @@ at::Tensor skinny_matmul(const at::Tensor& x_in, const at::Tensor& weight_blocks
         panel_bias = bias_tail;
       }
       const int64_t next = block + panel_blocks;
-      Panel p{nullptr, in_features, wp + block * block_floats, panel_bias, nullptr,
-              out_features, columns, next < last ? wp + next * block_floats : nullptr,
-              0, tiles};
+      Panel p{nullptr, in_features, wp + block * block_bytes, panel_bias,
+              scale ? scale + block * kBlock : nullptr, nullptr, out_features, columns,
+              next < last ? wp + next * block_bytes : nullptr, 0, tiles};
       for (int64_t row = 0; p.pass < tiles; ++p.pass) {
         const int64_t height = (rows - row) / (tiles - p.pass);
         p.x = xp + row * in_features;
@@ -278,7 +377,8 @@ at::Tensor skinny_matmul(const at::Tensor& x_in, const at::Tensor& weight_blocks
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(neuron_serve, m) {
-  m.def("skinny_matmul(Tensor x, Tensor weight_blocks, Tensor? bias, int out_features) -> Tensor");
+  m.def("skinny_matmul(Tensor x, Tensor weight_blocks, Tensor? bias, int out_features, "
+        "Tensor? scale=None) -> Tensor");
   m.def("skinny_matmul_isa(bool avx2_only) -> str", &skinny_matmul_isa);
 }
 
