@@ -8,6 +8,9 @@ INT8 weight-only (W8A16, `pack-quantized`, a scale per output channel). The deco
 linear layers are quantized; embeddings, the LM head and norms stay as they were, as the
 usual quantization recipes leave them.
 
+`kv_scales` adds vLLM's per-tensor KV-cache scales (`self_attn.k_scale`, `v_scale` of each
+layer), which a `--kv-cache-dtype fp8` engine reads in place of 1.0.
+
 The returned state dict holds the quantized layers' weights as a loader reads them back
 (dequantized, float32): the oracle that Transformers runs for parity.
 """
@@ -71,9 +74,11 @@ def _quantization_config(fmt: str) -> dict:
             "ignore": ["lm_head"]}
 
 
-def write_quantized(src: Path | str, dst: Path | str, fmt: str) -> dict[str, torch.Tensor]:
-    """Copy checkpoint `src` to `dst` with its decoder linear layers in format `fmt`;
-    returns their dequantized weights by name (see the module docstring)."""
+def write_quantized(src: Path | str, dst: Path | str, fmt: str,
+                    kv_scales: tuple[float, float] | None = None) -> dict[str, torch.Tensor]:
+    """Copy checkpoint `src` to `dst` with its decoder linear layers in format `fmt` (and
+    `kv_scales`, (k, v), in every layer); returns their dequantized weights by name (see
+    the module docstring)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown quantized format {fmt!r}; choose one of {FORMATS}")
     src, dst = Path(src), Path(dst)
@@ -96,6 +101,10 @@ def write_quantized(src: Path | str, dst: Path | str, fmt: str) -> dict[str, tor
             tensors[name] = values
             tensors[f"{base}.weight_scale"] = scale.reshape(-1, 1) if scale.dim() else scale.reshape(1)
         dequantized[name] = values.float() * scale
+        if kv_scales and name.endswith("self_attn.k_proj.weight"):
+            attn = name.removesuffix("k_proj.weight")
+            for kind, value in zip("kv", kv_scales):
+                tensors[f"{attn}{kind}_scale"] = torch.tensor(value, dtype=torch.float32)
     save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = _quantization_config(fmt)

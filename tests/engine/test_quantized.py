@@ -168,3 +168,42 @@ def test_an_fp8_kv_cache_holds_four_times_the_tokens_within_the_loss_bound(kv_ca
         assert blocks * 32 * bytes_per_token == pytest.approx(64 << 20, rel=0.01)
     finally:
         llm.llm_engine.engine_core.shutdown()
+
+
+def test_compiled_graphs_read_8bit_weights_and_an_fp8_cache(tmp_path):
+    """Every bucket's graph compiled ahead (decode steps on the 8-bit skinny kernel, the
+    chunked prefill on dequantized weights) over an INT8 checkpoint and an FP8 cache."""
+    write_quantized(DEMO_MODEL_DIR, tmp_path / "int8", "int8-w8a16")
+    llm = make_llm(tmp_path / "int8", enforce_eager=False, kv_cache_dtype="fp8",
+                   additional_config={"neuron": {**DEMO_BUCKETS, "token_buckets": [64]}})
+    try:
+        check(llm, None, kv_quantized=True)
+        (stats,) = llm.collective_rpc("graph_stats")
+        assert stats["eager_steps"] == 0 and stats["compiles_after_warmup"] == 0
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def test_tensor_parallel_2_shards_the_8bit_weights_and_cache(tmp_path):
+    """Each rank holds half the 8-bit weights (a scale per channel follows its shard) and
+    its KV heads' FP8 cache; a shard read with the wrong scales would miss the loss bound."""
+    write_quantized(DEMO_MODEL_DIR, tmp_path / "fp8", "fp8-channel")
+    llm = demo_llm(tmp_path / "fp8", tensor_parallel_size=2, kv_cache_dtype="fp8")
+    try:
+        ranks = llm.collective_rpc("weight_bytes")
+        assert [r["float8_e4m3fn"] for r in ranks] == [linear_weights() // 2] * 2
+        check(llm, None, kv_quantized=True)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def test_kv_scales_of_a_checkpoint_are_the_ones_the_cache_is_written_with(tmp_path):
+    """Scales far too small for the demo's keys and values (the largest storable value
+    becomes 0.448) saturate the cache: the loss leaves the bound that scales of 1.0, vLLM's
+    default without any, keep (test_an_fp8_kv_cache_...)."""
+    write_quantized(DEMO_MODEL_DIR, tmp_path / "fp8", "fp8", kv_scales=(1e-3, 1e-3))
+    llm = demo_llm(tmp_path / "fp8", kv_cache_dtype="fp8")
+    try:
+        assert engine_loss(llm) > (1 + 5 * LOSS_BOUND) * hf_loss(hf_model())
+    finally:
+        llm.llm_engine.engine_core.shutdown()
