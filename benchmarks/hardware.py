@@ -118,10 +118,14 @@ class ModelShape:
 
 
 def generation_limit_seconds(shape: ModelShape, machine: Machine, batch: int, prompt: int,
-                             output: int, dtype_bytes: int = 4) -> float:
+                             output: int, dtype_bytes: int = 4, weight_bytes: float | None = None,
+                             kv_dtype_bytes: int | None = None) -> float:
     """Fastest possible time for `batch` sequences of `prompt` tokens to generate `output`
     tokens each: the prefill's FLOPs (the first token), then output-1 decode steps at
-    their limit."""
+    their limit. Weights and KV cache are `dtype_bytes` per value unless `weight_bytes`
+    (8-bit weights: 1) or `kv_dtype_bytes` say otherwise."""
+    weight_bytes = dtype_bytes if weight_bytes is None else weight_bytes
+    kv_dtype_bytes = dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes
     gemm = machine.fp32_gemm_gflop_per_s * 1e9
     bandwidth = machine.read_gb_per_s * 1e9
     body = shape.matmul_weights - shape.vocab * shape.hidden  # every prompt token
@@ -130,7 +134,8 @@ def generation_limit_seconds(shape: ModelShape, machine: Machine, batch: int, pr
     total = prefill_flops / gemm
     for step in range(1, output):
         context = prompt + step
-        read = shape.matmul_weights * dtype_bytes + batch * context * shape.kv_bytes_per_token(dtype_bytes)
+        read = (shape.matmul_weights * weight_bytes
+                + batch * context * shape.kv_bytes_per_token(kv_dtype_bytes))
         flops = batch * (2 * shape.matmul_weights + shape.attention_flops(context))
         total += max(read / bandwidth, flops / gemm)
     return total

@@ -53,7 +53,7 @@ def vllm_engine(system: str, args: argparse.Namespace) -> Generate:
     llm = LLM(model=args.model, dtype="float32", seed=0, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30), enable_prefix_caching=False,
-              **ours)
+              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, **ours)
 
     def generate(prompts: list[list[int]], output: int, schema: dict | None = None) -> int:
         from vllm.sampling_params import StructuredOutputsParams
@@ -93,6 +93,8 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--kv-cache-gb", type=float, default=2)
     parser.add_argument("--neuron-config", type=json.loads, default=None)
+    parser.add_argument("--quantization", default=None, help="vLLM's --quantization")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's --kv-cache-dtype")
     args = parser.parse_args()
 
     import transformers
