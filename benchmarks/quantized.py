@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import statistics
 import sys
@@ -180,6 +181,7 @@ def markdown(report: dict) -> str:
 
 def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    os.environ["NEURON_SERVE_DEVICE"] = "neuron"  # the in-process engines: ours
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m", help=f"one of {sorted(SHAPES)}")
     parser.add_argument("--variants", default=",".join(VARIANTS))

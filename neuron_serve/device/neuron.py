@@ -45,3 +45,9 @@ class NeuronDevice(Device):
     @property
     def capacity_hint(self) -> str:
         return "the capacity is read from the Neuron runtime"
+
+    def accept_quantization(self, method: str) -> None:
+        raise NotImplementedError(
+            f"--quantization {method}: 8-bit weights need Trainium matmul kernels, which "
+            "neuron-serve does not have yet (the emulated backend has its own); serve the "
+            "full-precision checkpoint")
