@@ -45,12 +45,16 @@ from systems import OTHER_SYSTEM_IDLE_S  # noqa: E402
 VARIANTS = {"neuron fp32": ("neuron", None, 4), "neuron fp8": ("neuron", "fp8-channel", 1),
             "neuron int8": ("neuron", "int8-w8a16", 1), "vllm-cpu fp32": ("vllm-cpu", None, 4),
             "transformers fp32": ("transformers", None, 4)}
-QUALITY = [("fp32", None, "auto"), ("fp8 weights (vLLM fp8, per tensor)", "fp8", "auto"),
-           ("fp8 weights (compressed-tensors, per channel)", "fp8-channel", "auto"),
-           ("int8 weights (W8A16, per channel)", "int8-w8a16", "auto"),
-           ("fp32 weights, fp8 (e4m3) KV", None, "fp8"),
-           ("fp32 weights, fp8_e5m2 KV", None, "fp8_e5m2"),
-           ("int8 weights, fp8 (e4m3) KV", "int8-w8a16", "fp8")]
+# label: (checkpoint format or None, --quantization, --kv-cache-dtype)
+QUALITY = {"fp32": (None, None, "auto"),
+           "fp8 weights (vLLM fp8 checkpoint, per tensor)": ("fp8", None, "auto"),
+           "fp8 weights (compressed-tensors, per channel)": ("fp8-channel", None, "auto"),
+           "fp8 weights at load (--quantization fp8_per_tensor)": (None, "fp8_per_tensor", "auto"),
+           "int8 weights (compressed-tensors W8A16, per channel)": ("int8-w8a16", None, "auto"),
+           "int8 weights at load (--quantization int8_weight_only)": (None, "int8_weight_only", "auto"),
+           "fp32 weights, fp8 (e4m3) KV": (None, None, "fp8"),
+           "fp32 weights, fp8_e5m2 KV": (None, None, "fp8_e5m2"),
+           "int8 weights, fp8 (e4m3) KV": ("int8-w8a16", None, "fp8")}
 
 
 def measure_speed(args, models: dict[str, Path], shape) -> list[dict]:
@@ -130,14 +134,14 @@ def measure_quality(tmp: Path) -> list[dict]:
         reference = model(input_ids=windows, labels=windows).loss.item()
     rows = [dict(config="Transformers fp32", loss=reference, vs_fp32=0.0)]
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
-    for label, fmt, kv in QUALITY:
+    for label, (fmt, quantization, kv) in QUALITY.items():
         path = DEMO_MODEL_DIR
         if fmt:
             path = tmp / fmt
             write_quantized(DEMO_MODEL_DIR, path, fmt)
         llm = LLM(model=str(path), dtype="float32", max_model_len=512, max_num_seqs=4,
                   max_num_batched_tokens=256, kv_cache_memory_bytes=64 << 20,
-                  kv_cache_dtype=kv, enforce_eager=True,
+                  quantization=quantization, kv_cache_dtype=kv, enforce_eager=True,
                   additional_config={"neuron": {"compile_mode": "eager"}})
         outs = llm.generate([{"prompt_token_ids": w} for w in windows.tolist()], params,
                             use_tqdm=False)

@@ -11,3 +11,14 @@ def register() -> str | None:
         return None
     plugin.activate()
     return plugin.PLATFORM
+
+
+def register_general() -> None:
+    """vLLM `vllm.general_plugins` entry point, run in every vLLM process before it builds a
+    config: the quantization methods our device adds, when our platform is active."""
+    from neuron_serve import plugin
+
+    if plugin.requested():
+        from neuron_serve import device
+
+        device.current().register_quantization()

@@ -74,7 +74,8 @@ def _check_parallel(parallel) -> None:
 
 class NeuronPlatform(Platform):
     _enum = PlatformEnum.OOT
-    # Weight formats our devices' linear kernels read (--quantization, or a checkpoint's).
+    # Weight formats our devices' linear kernels read (--quantization, or a checkpoint's);
+    # a device's own methods join when registered (neuron_serve.register_general).
     supported_quantization: list[str] = ["fp8", "fp8_per_tensor", "fp8_per_channel",
                                          "compressed-tensors"]
     device_name: str = _DEVICE.torch_device.type

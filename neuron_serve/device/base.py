@@ -71,6 +71,10 @@ class Device:
         """Per-process setup before vLLM loads a model on this device: model rank `slot`
         of the `ranks_on_host` on this host (tensor × data parallel)."""
 
+    def register_quantization(self) -> None:
+        """Make the quantization methods this device adds to vLLM's known (every process,
+        before vLLM builds a config)."""
+
     def accept_quantization(self, method: str) -> None:
         """Adapt vLLM's quantization method `method` to this device before vLLM checks the
         model against it (in every process that builds a config)."""

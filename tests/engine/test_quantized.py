@@ -147,13 +147,25 @@ def test_checkpoint_formats_load_8bit_and_match_their_dequantized_weights(tmp_pa
         llm.llm_engine.engine_core.shutdown()
 
 
-def test_online_fp8_quantizes_at_load():
-    """`--quantization fp8` (vLLM's deprecated name for fp8_per_tensor) on a float
-    checkpoint."""
-    llm = demo_llm(DEMO_MODEL_DIR, quantization="fp8")
+def online_int8_weights() -> dict[str, torch.Tensor]:
+    """The demo's linear weights as `int8_weight_only` leaves them: rounded, a scale per
+    output channel (largest magnitude → 127)."""
+    out = {}
+    for name, weight in hf_model().state_dict().items():
+        if name.endswith("_proj.weight"):
+            scale = weight.abs().amax(dim=1, keepdim=True) / 127
+            out[name] = (weight / scale).round().clamp(-127, 127) * scale
+    return out
+
+
+@pytest.mark.parametrize("method,dtype,oracle", [
+    ("fp8", FP8, online_fp8_weights),  # vLLM's deprecated name for fp8_per_tensor
+    ("int8_weight_only", torch.int8, online_int8_weights)])  # ours, for dense layers
+def test_online_quantization_at_load(method, dtype, oracle):
+    llm = demo_llm(DEMO_MODEL_DIR, quantization=method)
     try:
-        assert eight_bit_bytes(llm) == {"float8_e4m3fn": linear_weights()}
-        check(llm, untied_hf_model(with_lm_head(online_fp8_weights(), FP8)))
+        assert eight_bit_bytes(llm) == {str(dtype).removeprefix("torch."): linear_weights()}
+        check(llm, untied_hf_model(with_lm_head(oracle(), dtype)))
     finally:
         llm.llm_engine.engine_core.shutdown()
 

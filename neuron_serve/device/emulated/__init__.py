@@ -86,6 +86,11 @@ class EmulatedDevice(Device):
         setup.share_cores(slot, ranks_on_host)
         quantized_linear.register()  # 8-bit weights: before vLLM builds a model
 
+    def register_quantization(self) -> None:
+        from neuron_serve.device.emulated import quantized_linear
+
+        quantized_linear.register_online_int8()
+
     def accept_quantization(self, method: str) -> None:
         from neuron_serve.device.emulated import quantized_linear
 

@@ -5,7 +5,9 @@ vLLM's FP8 and mixed-precision linear methods pick their matmul from tables keye
 in-tree platforms; an out-of-tree platform has no entry, so they fail while the model is
 built ("Failed to find a kernel"). `register()` adds ours for PlatformEnum.OOT: vLLM's
 methods still create and load the weights (FP8 checkpoints, compressed-tensors FP8 and
-INT8 W8A16, online `fp8_per_tensor`), then our kernels repack them.
+INT8 W8A16, online `fp8_per_tensor`), then our kernels repack them. vLLM quantizes INT8 at
+load for MoE experts only; `--quantization int8_weight_only` (Int8WeightOnlyConfig, our
+own method) does it for dense layers, a scale per output channel.
 
 Each layer keeps one copy, in the skinny kernel's column blocks (skinny_matmul.py) with a
 float32 scale per output column (a per-tensor scale repeated): a decode step reads one
@@ -33,6 +35,8 @@ from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import (
     FP8ScaledMMLinearKernel,
     FP8ScaledMMLinearLayerConfig,
 )
+from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
 from neuron_serve.device.emulated import skinny_matmul
 
@@ -166,6 +170,51 @@ class Int8WeightKernel(MPLinearKernel):
 
     def apply_weights(self, layer: nn.Module, x: torch.Tensor, bias=None) -> torch.Tensor:
         raise AssertionError("packed INT8 layers compute through Packed8BitMethod")
+
+
+INT8_ONLINE = "int8_weight_only"
+
+
+class Int8WeightOnlyLinearMethod(UnquantizedLinearMethod):
+    """A dense layer's float weight, loaded as vLLM loads it, then rounded to INT8."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        pack(layer, *quantize_rows(layer.weight.detach(), torch.int8))
+
+
+class Int8WeightOnlyConfig(QuantizationConfig):
+    """Our `--quantization int8_weight_only`: every linear layer's weight rounded to INT8 at
+    load, a scale per output channel."""
+
+    def get_name(self) -> str:
+        return INT8_ONLINE
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.float32, torch.bfloat16, torch.float16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return -1
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict) -> Int8WeightOnlyConfig:
+        return cls()
+
+    def get_quant_method(self, layer: nn.Module, prefix: str):
+        return Int8WeightOnlyLinearMethod() if isinstance(layer, LinearBase) else None
+
+
+@functools.cache
+def register_online_int8() -> None:
+    """Make `--quantization int8_weight_only` known to vLLM (in every process that builds a
+    config: a general plugin, neuron_serve.register_general)."""
+    from vllm.model_executor.layers.quantization import register_quantization_config
+
+    register_quantization_config(INT8_ONLINE)(Int8WeightOnlyConfig)
 
 
 @functools.cache
