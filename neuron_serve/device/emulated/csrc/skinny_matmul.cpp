@@ -48,22 +48,23 @@ struct Int8 {
   }
 };
 
-// e4m3 through F16C: the byte's exponent and mantissa moved into a half's read its value
-// times 2^-8 (bias 7 against 15), subnormals included; the column scales undo the 2^-8.
+// e4m3 through F16C: the byte shifted left by 7 in a 16-bit lane puts its exponent and
+// mantissa where a half's go, and its sign one bit short of a half's; adding the sign bit
+// to itself carries it there. The half reads the value times 2^-8 (exponent bias 7 against
+// 15), subnormals included; the column scales undo the 2^-8.
 struct E4M3 {
   using T = uint8_t;
-  static __m128i halves(__m128i h) {  // 8 bytes widened to 16 bits → 8 halves
-    return _mm_or_si128(_mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x80)), 8),
-                        _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7F)), 7));
+  static __m128i halves(__m128i v) {
+    const __m128i t = _mm_slli_epi16(v, 7);
+    return _mm_add_epi16(t, _mm_and_si128(t, _mm_set1_epi16(0x4000)));
   }
   static __m256 load8(const T* p) {
     return _mm256_cvtph_ps(halves(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
   }
   __attribute__((target("avx512f"))) static __m512 load16(const T* p) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m128i lo = halves(_mm_cvtepu8_epi16(bytes));
-    const __m128i hi = halves(_mm_cvtepu8_epi16(_mm_srli_si128(bytes, 8)));
-    return _mm512_cvtph_ps(_mm256_set_m128i(hi, lo));
+    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i t = _mm256_slli_epi16(v, 7);
+    return _mm512_cvtph_ps(_mm256_add_epi16(t, _mm256_and_si256(t, _mm256_set1_epi16(0x4000))));
   }
 };
 
