@@ -48,6 +48,6 @@ class NeuronDevice(Device):
 
     def accept_quantization(self, method: str) -> None:
         raise NotImplementedError(
-            f"--quantization {method}: 8-bit weights need Trainium matmul kernels, which "
-            "neuron-serve does not have yet (the emulated backend has its own); serve the "
-            "full-precision checkpoint")
+            f"{method} quantization: 8-bit weights need Trainium matmul kernels, which "
+            "neuron-serve does not have yet (the emulated backend has its own); serve a "
+            "full-precision checkpoint without --quantization")
