@@ -119,16 +119,14 @@ def measure_capacity(model: Path) -> list[dict]:
 
 def measure_quality(tmp: Path) -> list[dict]:
     import torch
-    from train_demo import build_documents, random_windows, tokenize
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from train_demo import heldout_windows
+    from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
 
     from neuron_serve.models import DEMO_MODEL_DIR
     from neuron_serve.models.quantized import write_quantized
 
-    tok = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
-    stream = tokenize(tok.backend_tokenizer, build_documents(0)["test"])
-    windows = random_windows(stream, 4, 256, torch.Generator().manual_seed(1))
+    windows = heldout_windows(4)
     model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.float32).eval()
     with torch.no_grad():
         reference = model(input_ids=windows, labels=windows).loss.item()

@@ -93,6 +93,17 @@ def random_windows(stream: torch.Tensor, n: int, seq_len: int, gen: torch.Genera
 
 
 @torch.no_grad()
+def heldout_windows(count: int, seq_len: int = 256, seed: int = 1) -> torch.Tensor:
+    """`count` random windows of the shipped demo's held-out documents, as token ids: the
+    quality oracle of the tests and benchmarks that run the demo model."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
+    record = json.loads((DEMO_MODEL_DIR / "training.json").read_text())
+    stream = tokenize(tok.backend_tokenizer, build_documents(record["config"]["seed"])["test"])
+    return random_windows(stream, count, seq_len, torch.Generator().manual_seed(seed))
+
+
 def mean_loss(model, windows: torch.Tensor, batch_size: int) -> float:
     model.eval()
     losses = [model(input_ids=w, labels=w).loss.item() for w in windows.split(batch_size)]

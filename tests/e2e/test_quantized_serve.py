@@ -10,8 +10,8 @@ import openai
 import pytest
 import torch
 from conftest import VENV_BIN, free_port, start_server
-from train_demo import build_documents, random_windows, tokenize
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from train_demo import heldout_windows
+from transformers import AutoModelForCausalLM
 
 from neuron_serve.models import DEMO_MODEL_DIR
 
@@ -32,9 +32,7 @@ def fp8_server(tmp_path_factory):
 
 
 def test_fp8_weights_and_kv_cache_serve_within_the_loss_bound(fp8_server):
-    tok = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
-    stream = tokenize(tok.backend_tokenizer, build_documents(0)["test"])
-    window = random_windows(stream, 1, 256, torch.Generator().manual_seed(1))
+    window = heldout_windows(1)
     model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.float32).eval()
     with torch.no_grad():
         reference = model(input_ids=window, labels=window).loss.item()

@@ -15,7 +15,7 @@ import functools
 import pytest
 import torch
 from oracles import make_llm
-from train_demo import build_documents, random_windows, tokenize
+from train_demo import heldout_windows
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from vllm import SamplingParams
 
@@ -30,11 +30,8 @@ PROMPTS = ["The for statement is used to", "A list is a sequence of", "Exception
 
 
 @functools.cache
-def heldout_windows() -> list[list[int]]:
-    """The demo's held-out documents as 4 windows of 256 tokens (tests/unit/test_demo_model)."""
-    tok = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
-    stream = tokenize(tok.backend_tokenizer, build_documents(0)["test"])
-    return random_windows(stream, 4, 256, torch.Generator().manual_seed(1)).tolist()
+def windows() -> list[list[int]]:
+    return heldout_windows(4).tolist()
 
 
 @functools.cache
@@ -61,18 +58,17 @@ def hf_greedy(model, prompt_ids: list[int], n: int = 16) -> list[int]:
 
 
 def hf_loss(model) -> float:
-    windows = torch.tensor(heldout_windows())
+    ids = torch.tensor(windows())
     with torch.no_grad():
-        return model(input_ids=windows, labels=windows).loss.item()
+        return model(input_ids=ids, labels=ids).loss.item()
 
 
 def engine_loss(llm) -> float:
     """Mean negative log-likelihood of each window's tokens after its first, from vLLM's
     prompt logprobs (the same next-token loss Transformers computes)."""
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
-    outs = llm.generate([{"prompt_token_ids": w} for w in heldout_windows()], params,
-                        use_tqdm=False)
-    nll = [-entry[token].logprob for out, window in zip(outs, heldout_windows())
+    outs = llm.generate([{"prompt_token_ids": w} for w in windows()], params, use_tqdm=False)
+    nll = [-entry[token].logprob for out, window in zip(outs, windows())
            for entry, token in zip(out.prompt_logprobs[1:], window[1:])]
     return sum(nll) / len(nll)
 

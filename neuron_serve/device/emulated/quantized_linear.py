@@ -40,8 +40,6 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 
 from neuron_serve.device.emulated import skinny_matmul
 
-FORMATS = (torch.int8, torch.float8_e4m3fn)
-
 
 class Packed8BitMethod:
     """`apply` of a layer whose 8-bit weight `pack()` stored. Plain picklable state only:
