@@ -2,7 +2,7 @@
 the rest.
 
     .venv/bin/python benchmarks/step_profile.py [--model smollm2-135m] [--batches 1,8,32]
-        [--tensor-parallel-size N]
+        [--tensor-parallel-size N] [--quantization METHOD]
 
 Runs our engine (compiled; graph cache off, so every graph is built with inductor's kernel
 profiling) with compare.py's engine settings, records one generate per batch size with the
@@ -107,8 +107,9 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--output", type=int, default=128)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--name", help="file stem suffix (default: the ISA torch reports, and "
-                                       "tp<N> above 1)")
+    parser.add_argument("--quantization", help="vLLM's --quantization, e.g. int8_weight_only")
+    parser.add_argument("--name", help="file stem suffix (default: the ISA torch reports, "
+                                       "tp<N> above 1 and the quantization)")
     args = parser.parse_args()
     os.environ["NEURON_SERVE_DEVICE"] = "neuron"
     os.environ["TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE"] = "1"
@@ -122,6 +123,7 @@ def main() -> None:
     llm = LLM(model=str(model), dtype="float32", seed=0, max_model_len=1024,
               max_num_seqs=max(batches), max_num_batched_tokens=256, kv_cache_memory_bytes=2 << 30,
               enable_prefix_caching=False, tensor_parallel_size=args.tensor_parallel_size,
+              quantization=args.quantization,
               additional_config={"neuron": {"cache_dir": "off"}})
     params = SamplingParams(max_tokens=args.output, ignore_eos=True, temperature=0, detokenize=False)
     vocab = AutoConfig.from_pretrained(model).vocab_size
@@ -141,7 +143,7 @@ def main() -> None:
     text = markdown(args.model, results, args.prompt, args.output, hardware.describe(), tp)
     print(text)
     suffix = args.name or torch.backends.cpu.get_cpu_capability().lower() + \
-        (f"-tp{tp}" if tp > 1 else "")
+        (f"-tp{tp}" if tp > 1 else "") + (f"-{args.quantization}" if args.quantization else "")
     (HERE / "results" / f"step_profile-{args.model}-{suffix}.md").write_text(text + "\n")
 
 

@@ -57,7 +57,7 @@ def quantized(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, t
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("out_features,in_features", [(96, 64), (200, 96), (37, 5)])
-@pytest.mark.parametrize("rows", [1, 2, 5, 7, 8, 13, 32, 128])
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 8, 13, 32, 128, 300])  # 300: a prefill step
 def test_8bit_weights_match_a_matmul_of_their_dequantized_values(rows, out_features,
                                                                   in_features, dtype, isa):
     """The oracle dequantizes first (values x scale, float32), then a plain matmul."""
@@ -74,6 +74,24 @@ def test_8bit_weights_match_a_matmul_of_their_dequantized_values(rows, out_featu
     torch.testing.assert_close(
         skinny_matmul.skinny_matmul(x, blocks, None, out_features, packed_scale),
         x @ dequantized.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+def test_a_packed_8bit_layer_gives_one_product_with_or_without_the_kernel(dtype):
+    """Without the kernel (no AVX2, or bf16 activations) a layer's blocks are dequantized
+    for a plain matmul; both ways give the dequantized weight's product."""
+    from torch import nn
+
+    from neuron_serve.device.emulated import quantized_linear
+
+    torch.manual_seed(1)
+    weight, scale = quantized(torch.randn(40, 24), dtype)
+    layer, bias, x = nn.Module(), torch.randn(40), torch.randn(3, 5, 24)
+    quantized_linear.pack(layer, weight, scale)
+    expected = x @ (weight.float() * scale[:, None]).T + bias
+    for skinny in (True, False):
+        method = quantized_linear.Packed8BitMethod(40, skinny)
+        torch.testing.assert_close(method.apply(layer, x, bias), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_8bit_weights_need_their_scales_and_float_ones_none():

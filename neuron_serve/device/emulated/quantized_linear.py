@@ -11,7 +11,10 @@ own method) does it for dense layers, a scale per output channel.
 
 Each layer keeps one copy, in the skinny kernel's column blocks (skinny_matmul.py) with a
 float32 scale per output column (a per-tensor scale repeated): a decode step reads one
-byte per weight. Larger steps dequantize the blocks to float32 inside the graph and run a
+byte per weight. Prefill steps run on the same kernel. Its tiles widen each weight once
+per 8 rows, so at hundreds of rows it keeps pace with oneDNN on float32 weights; the
+alternative, dequantizing the whole weight inside the graph every step, costs more than
+the matmul. Without the kernel (no AVX2, or bf16 activations) the blocks are dequantized for a
 plain matmul. Activations stay float32, also for checkpoints that declare FP8 activations:
 the emulation has no FP8 arithmetic to match, so such checkpoints run weight-only.
 
@@ -45,14 +48,13 @@ class Packed8BitMethod:
     """`apply` of a layer whose 8-bit weight `pack()` stored. Plain picklable state only:
     compiled graphs serialize the method objects they call."""
 
-    def __init__(self, out_features: int, skinny_rows: int) -> None:
+    def __init__(self, out_features: int, skinny: bool) -> None:
         self.out_features = out_features
-        self.skinny_rows = skinny_rows  # steps of up to this many rows: the skinny kernel
+        self.skinny = skinny  # the CPU runs the skinny kernel
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None):
         rows = x.reshape(-1, x.shape[-1])
-        # A graph's rows are its bucket's, so each graph calls one kernel per layer.
-        if rows.shape[0] <= self.skinny_rows and rows.dtype == torch.float32:
+        if self.skinny and rows.dtype == torch.float32:
             out = skinny_matmul.skinny_matmul(rows, layer.weight_blocks, bias,
                                               self.out_features, layer.weight_block_scale)
         else:
@@ -89,7 +91,7 @@ def pack(layer: nn.Module, weight: torch.Tensor, scale: torch.Tensor,
         if isinstance(getattr(layer, name, None), torch.Tensor):
             delattr(layer, name)
             setattr(layer, name, None)
-    layer.quant_method = Packed8BitMethod(out_features, skinny_matmul.max_rows())
+    layer.quant_method = Packed8BitMethod(out_features, skinny_matmul.max_rows() > 0)
 
 
 def quantize_rows(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,6 +32,7 @@ namespace {
 // How a weight block's 16 values load as floats (8 at a time on AVX2, 16 on AVX-512).
 struct Float32 {
   using T = float;
+  static constexpr bool kPairs = false;
   static __m256 load8(const T* p) { return _mm256_loadu_ps(p); }
   __attribute__((target("avx512f"))) static __m512 load16(const T* p) {
     return _mm512_loadu_ps(p);
@@ -40,6 +41,7 @@ struct Float32 {
 
 struct Int8 {
   using T = int8_t;
+  static constexpr bool kPairs = false;
   static __m256 load8(const T* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
@@ -65,6 +67,18 @@ struct E4M3 {
     const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     const __m256i t = _mm256_slli_epi16(v, 7);
     return _mm512_cvtph_ps(_mm256_add_epi16(t, _mm256_and_si256(t, _mm256_set1_epi16(0x4000))));
+  }
+  // Two rows of k of a block (32 bytes) in 512-bit integer ops, half the instructions of
+  // two load16s: the byte sign-extended to 16 bits and shifted left by 7 has its sign where
+  // a half's goes and a copy of it on the exponent's top bit, which the mask clears. Widening
+  // bounds the kernel at a few rows, so this is what an e4m3 weight streams at.
+  static constexpr bool kPairs = true;
+  __attribute__((target("avx512f,avx512bw"))) static void load16x2(const T* p, __m512& a,
+                                                                   __m512& b) {
+    const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512i h = _mm512_and_si512(_mm512_slli_epi16(v, 7), _mm512_set1_epi16(0xBFFF));
+    a = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+    b = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
   }
 };
 
@@ -166,23 +180,27 @@ void tile(const Panel& p) {
 // 6 x 4: 24 accumulators, one weight load per Rows FMAs). A single block per tile, one
 // broadcast load per FMA, left the FMA units waiting on loads, slower than oneDNN from 2
 // rows. From 7 rows the FMAs are busy enough to leave the memory idle, so the weights are
-// prefetched: the panel's blocks 32 rows of k ahead into L1, and the next panel into L2,
-// spread over this panel's row tiles so the memory is busy for all of them. Up to 6 rows
-// the hardware prefetcher alone streams faster, close to a plain read's pace; at 8 rows
-// prefetching still wins (measured: benchmarks/README.md, "Design measurements").
+// prefetched: the panel's blocks 2 KB ahead into L1, and the next panel into L2, spread over
+// this panel's row tiles so the memory is busy for all of them. Up to 6 rows float32 weights
+// stream faster on the hardware prefetcher alone, close to a plain read's pace; at 8 rows
+// prefetching still wins (measured: benchmarks/README.md, "Design measurements"). 8-bit
+// weights are prefetched at every row count: widening them keeps the core busy long enough
+// between loads that, left to the hardware, the memory and the widening took turns.
 constexpr int kMaxTileRows512 = 8;
 constexpr int kMaxBlocks512 = 4;
 constexpr int kMinPrefetchRows = 7;
-constexpr int64_t kPrefetchAhead = 32 * kBlock;
+constexpr int64_t kPrefetchBytes = 2048;
 
 int blocks_per_panel512(int64_t tile_rows) { return tile_rows <= 6 ? 4 : 3; }
 
 template <int Rows, int Blocks, typename W>
-__attribute__((target("avx512f"))) void tile512(const Panel& p) {
+__attribute__((target("avx512f,avx512bw"))) void tile512(const Panel& p) {
   using T = typename W::T;
   const T* weight = static_cast<const T*>(p.weight);
   const T* next = static_cast<const T*>(p.next);
   const int64_t stride = p.in_features * kBlock;  // from one block to the next
+  constexpr bool prefetch = Rows >= kMinPrefetchRows || sizeof(T) == 1;
+  constexpr int64_t line_steps = 64 / (kBlock * sizeof(T));  // rows of k per cache line
   __m512 acc[Rows][Blocks];
 #pragma GCC unroll 4
   for (int b = 0; b < Blocks; ++b) {
@@ -192,24 +210,45 @@ __attribute__((target("avx512f"))) void tile512(const Panel& p) {
     for (int m = 0; m < Rows; ++m) acc[m][b] = start;
   }
   int64_t next_k = p.pass * p.in_features / p.passes, phase = 0;
-  for (int64_t k = 0; k < p.in_features; ++k) {
-    __m512 w[Blocks];
+  // At the first row of k of each cache line: the line 2 KB ahead of each block, and one
+  // line of the next panel per `passes` lines.
+  auto prefetch_at = [&](int64_t k) {
+    if (!prefetch || k % line_steps) return;
 #pragma GCC unroll 4
-    for (int b = 0; b < Blocks; ++b) {
-      const T* row = weight + b * stride + k * kBlock;
-      w[b] = W::load16(row);
-      if constexpr (Rows >= kMinPrefetchRows)
-        _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchAhead), _MM_HINT_T0);
-    }
-    // One row of the next panel per `passes` rows.
-    if (Rows >= kMinPrefetchRows && next && ++phase == p.passes) {
+    for (int b = 0; b < Blocks; ++b)
+      _mm_prefetch(reinterpret_cast<const char*>(weight + b * stride + k * kBlock) +
+                   kPrefetchBytes, _MM_HINT_T0);
+    if (next && ++phase == p.passes) {
       phase = 0;
 #pragma GCC unroll 4
       for (int b = 0; b < Blocks; ++b)
         _mm_prefetch(reinterpret_cast<const char*>(next + b * stride + next_k * kBlock),
                      _MM_HINT_T1);
-      ++next_k;
+      next_k += line_steps;
     }
+  };
+  int64_t k = 0;
+  if constexpr (W::kPairs && Rows < kMinPrefetchRows) {  // room for 2 x Blocks weights
+    for (; k + 1 < p.in_features; k += 2) {
+      __m512 w0[Blocks], w1[Blocks];
+#pragma GCC unroll 4
+      for (int b = 0; b < Blocks; ++b) W::load16x2(weight + b * stride + k * kBlock, w0[b], w1[b]);
+      prefetch_at(k);
+#pragma GCC unroll 8
+      for (int m = 0; m < Rows; ++m) {
+        const __m512 a0 = _mm512_set1_ps(p.x[m * p.in_features + k]);
+        const __m512 a1 = _mm512_set1_ps(p.x[m * p.in_features + k + 1]);
+#pragma GCC unroll 4
+        for (int b = 0; b < Blocks; ++b)
+          acc[m][b] = _mm512_fmadd_ps(w1[b], a1, _mm512_fmadd_ps(w0[b], a0, acc[m][b]));
+      }
+    }
+  }
+  for (; k < p.in_features; ++k) {
+    __m512 w[Blocks];
+#pragma GCC unroll 4
+    for (int b = 0; b < Blocks; ++b) w[b] = W::load16(weight + b * stride + k * kBlock);
+    prefetch_at(k);
 #pragma GCC unroll 8
     for (int m = 0; m < Rows; ++m) {
       const __m512 a = _mm512_set1_ps(p.x[m * p.in_features + k]);
@@ -284,7 +323,8 @@ struct Kernel {
 std::atomic<bool> avx2_only{false};
 
 Kernel pick_kernel() {
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  static const bool avx512 =
+      __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
   return {avx512 && !avx2_only};
 }
 
