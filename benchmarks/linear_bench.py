@@ -2,7 +2,8 @@
 our skinny decode kernel (the emulated backend runs the last two: neuron_serve/device/
 emulated/linear.py and skinny_matmul.py), for every weight shape of a model, all its layers,
 at decode and prefill row counts, with a plain sum of as many bytes as the weights for the
-memory's pace.
+memory's pace. The skinny kernel also runs INT8 and float8 e4m3 copies of the weights (a
+scale per output column, as quantized_linear.py stores them): a quarter of the bytes.
 
     .venv/bin/python benchmarks/linear_bench.py [--model smollm2-135m] [--out DIR]
 """
@@ -48,6 +49,7 @@ def run(config) -> list[dict]:
     import vllm._custom_ops as ops
 
     from neuron_serve.device.emulated import skinny_matmul
+    from neuron_serve.device.emulated.quantized_linear import quantize_rows
 
     skinny_matmul.load()
     rows_out = []
@@ -55,6 +57,11 @@ def run(config) -> list[dict]:
         weights = [torch.randn(n, k) / k ** 0.5 for _ in range(count)]
         handles = [ops.create_onednn_mm(w.t(), 32) for w in weights]
         blocks = [skinny_matmul.pack_weight(w) for w in weights]
+        eight_bit = {}  # format: [(blocks, packed scale)] per layer
+        for fmt, dtype in (("int8", torch.int8), ("e4m3", torch.float8_e4m3fn)):
+            copies = [quantize_rows(w, dtype) for w in weights]
+            eight_bit[fmt] = [(skinny_matmul.pack_weight(q), skinny_matmul.pack_scale(sc, dtype))
+                              for q, sc in copies]
         flat = torch.ones(count * n * k)  # the same bytes, read by a plain sum
         megabytes = count * n * k * 4 / 1e6
         for m in ROWS:
@@ -64,22 +71,29 @@ def run(config) -> list[dict]:
                                        rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(skinny_matmul.skinny_matmul(x, blocks[0], None, n),
                                        expected, rtol=1e-4, atol=1e-4)
-            # Taking turns, so a noisy neighbour slows all four alike.
+            # Taking turns, so a noisy neighbour slows all of them alike.
             aten, packed, skinny, read = [], [], [], []
+            quantized = {fmt: [] for fmt in eight_bit}
             for _ in range(3):
                 aten.append(_median_ms(lambda: [torch.nn.functional.linear(x, w) for w in weights]))
                 packed.append(_median_ms(lambda: [ops.onednn_mm(h, x, None) for h in handles]))
                 skinny.append(_median_ms(
                     lambda: [skinny_matmul.skinny_matmul(x, b, None, n) for b in blocks]))
+                for fmt, layers in eight_bit.items():
+                    quantized[fmt].append(_median_ms(
+                        lambda: [skinny_matmul.skinny_matmul(x, b, None, n, sc) for b, sc in layers]))
                 read.append(_median_ms(lambda: flat.sum()))
             row = dict(weight=name, layers=count, rows=m, megabytes=megabytes,
                        aten_ms=statistics.median(aten), packed_ms=statistics.median(packed),
                        skinny_ms=statistics.median(skinny), sum_ms=statistics.median(read),
+                       int8_ms=statistics.median(quantized["int8"]),
+                       e4m3_ms=statistics.median(quantized["e4m3"]),
                        gflop=2 * m * n * k * count / 1e9)
             rows_out.append(row)
             print(f"{name:13s} x{count:<3d} rows {m:4d}: aten {row['aten_ms']:8.2f} ms, "
                   f"packed {row['packed_ms']:8.2f} ms, skinny {row['skinny_ms']:8.2f} ms "
-                  f"({row['packed_ms'] / row['skinny_ms']:4.2f}x packed), "
+                  f"({row['packed_ms'] / row['skinny_ms']:4.2f}x packed), int8 "
+                  f"{row['int8_ms']:8.2f} ms, e4m3 {row['e4m3_ms']:8.2f} ms, "
                   f"sum {row['sum_ms']:6.2f} ms", flush=True)
     return rows_out
 
@@ -93,20 +107,25 @@ def markdown(model: str, rows: list[dict]) -> str:
              f"Command: `{' '.join(['benchmarks/linear_bench.py', *sys.argv[1:]])}`  ",
              f"torch threads {torch.get_num_threads()}, fp32, median of 3 rounds (each a "
              "median of 5) taking turns. GB/s counts weight bytes read once; \"sum GB/s\" is "
-             "a plain sum of as many bytes, the memory's pace in the same round. The emulated "
+             "a plain sum of as many bytes, the memory's pace in the same round; the INT8 and "
+             "e4m3 columns are the skinny kernel on 8-bit copies of the same weights, their "
+             "GB/s counting one byte a weight. The emulated "
              "backend runs the skinny kernel up to `skinny_matmul.max_rows()` rows, oneDNN "
              f"above: {skinny_matmul.max_rows()} on this CPU ({hardware.describe()}).",
              "",
              "| weight | rows | aten ms | packed ms | skinny ms | packed ÷ skinny | "
-             "packed GB/s | skinny GB/s | sum GB/s | best GFLOP/s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "packed GB/s | skinny GB/s | sum GB/s | best GFLOP/s | INT8 ms | INT8 GB/s | "
+             "e4m3 ms | e4m3 GB/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         best = min(r["packed_ms"], r["skinny_ms"])
         lines.append(f"| {r['weight']} ×{r['layers']} | {r['rows']} | {r['aten_ms']:.2f} | "
                      f"{r['packed_ms']:.2f} | {r['skinny_ms']:.2f} | "
                      f"{r['packed_ms'] / r['skinny_ms']:.2f}× | "
                      f"{r['megabytes'] / r['packed_ms']:.1f} | {r['megabytes'] / r['skinny_ms']:.1f} | "
-                     f"{r['megabytes'] / r['sum_ms']:.1f} | {r['gflop'] / best * 1e3:.0f} |")
+                     f"{r['megabytes'] / r['sum_ms']:.1f} | {r['gflop'] / best * 1e3:.0f} | "
+                     f"{r['int8_ms']:.2f} | {r['megabytes'] / 4 / r['int8_ms']:.1f} | "
+                     f"{r['e4m3_ms']:.2f} | {r['megabytes'] / 4 / r['e4m3_ms']:.1f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -59,6 +59,7 @@ def split_steps(trace_path: str) -> list[dict]:
         start, end = call["ts"], call["ts"] + call["dur"]
         step = dict.fromkeys(("ms", *KINDS, "tiles"), 0.0)
         step["ms"] = call["dur"] / 1000
+        step["period"] = None  # from this call's start to the next one's: the whole step
         while i < len(kernels) and kernels[i][0] < start:
             i += 1
         while i < len(kernels) and kernels[i][0] <= end:
@@ -67,6 +68,8 @@ def split_steps(trace_path: str) -> list[dict]:
             i += 1
         step["attention"] += step["tiles"]
         steps.append(step)
+    for step, call, following in zip(steps, calls, calls[1:]):
+        step["period"] = (following["ts"] - call["ts"]) / 1000
     return steps
 
 
@@ -76,7 +79,9 @@ def summarize(steps: list[dict]) -> dict[str, dict]:
     for kind, chosen in (("decode", [s for s in steps if not s["tiles"]]),
                          ("mixed", [s for s in steps if s["tiles"]])):
         if chosen:
+            periods = [s["period"] for s in chosen if s["period"] is not None]
             rows[kind] = {"steps": len(chosen),
+                          "period": statistics.median(periods) if periods else float("nan"),
                           **{k: statistics.median(s[k] for s in chosen) for k in ("ms", *KINDS)}}
     return rows
 
@@ -88,13 +93,16 @@ def markdown(model: str, results: dict[tuple[int, int], dict[str, dict]], prompt
              f"`.venv/bin/python {' '.join(['benchmarks/step_profile.py', *sys.argv[1:]])}`: "
              "inductor's kernel profiler inside "
              f"our compiled steps. Machine: {machine}.", "",
-             "| sequences | rank | step | steps | step ms | matmuls | attention | collectives "
-             "| other kernels | outside kernels |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "Step period: from one graph call to the next, the graph and everything the "
+             "engine does between two steps (scheduling, sampling, the runner's inputs).", "",
+             "| sequences | rank | step | steps | step period ms | step ms | matmuls | "
+             "attention | collectives | other kernels | outside kernels |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (batch, rank), rows in results.items():
         for kind, r in rows.items():
             rest = r["ms"] - sum(r[k] for k in KINDS)
-            lines.append(f"| {batch} | {rank} | {kind} | {r['steps']} | {r['ms']:.1f} | "
+            lines.append(f"| {batch} | {rank} | {kind} | {r['steps']} | {r['period']:.1f} | "
+                         f"{r['ms']:.1f} | "
                          f"{r['matmul']:.1f} | {r['attention']:.1f} | {r['collective']:.1f} | "
                          f"{r['other']:.1f} | {rest:.1f} |")
     return "\n".join(lines)

@@ -69,8 +69,11 @@ def test_step_profile_splits_each_compiled_step_by_kernel_kind(tmp_path):
     assert [(s["ms"], s["matmul"], s["attention"], s["collective"], s["other"])
             for s in steps] == [(10.0, 4.0, 3.7, 0.5, 0.5), (30.0, 12.0, 8.0, 0.0, 0.0),
                                 (20.0, 10.0, 4.0, 0.0, 0.0)]
+    # A step's period runs to the next call's start; the last call has none.
+    assert [s["period"] for s in steps] == [20.0, 50.0, None]
     rows = summarize(steps)
     assert rows["decode"]["steps"] == 1 and rows["mixed"]["steps"] == 2
+    assert rows["decode"]["period"] == 20.0 and rows["mixed"]["period"] == 50.0
     assert rows["mixed"]["attention"] == 6.0  # the median of 8 and 4
 
 

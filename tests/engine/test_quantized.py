@@ -11,6 +11,10 @@ are written by neuron_serve.models.quantized from the demo's weights.
 from __future__ import annotations
 
 import functools
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -178,13 +182,28 @@ def test_an_fp8_kv_cache_holds_four_times_the_tokens_within_the_loss_bound(kv_ca
         llm.llm_engine.engine_core.shutdown()
 
 
-def test_compiled_graphs_read_8bit_weights_and_an_fp8_cache(tmp_path):
-    """Every bucket's graph compiled ahead (decode steps on the 8-bit skinny kernel, the
-    chunked prefill on dequantized weights) over an INT8 checkpoint and an FP8 cache."""
-    write_quantized(DEMO_MODEL_DIR, tmp_path / "int8", "int8-w8a16")
-    llm = make_llm(tmp_path / "int8", enforce_eager=False, kv_cache_dtype="fp8",
-                   additional_config={"neuron": {**DEMO_BUCKETS, "token_buckets": [64]}})
+def test_graphs_compiled_ahead_read_8bit_weights_and_an_fp8_cache(tmp_path):
+    """`neuron-serve compile` builds every bucket's graph for an INT8 checkpoint and an FP8
+    cache, on dummy weights; an engine with the same settings loads them all (the key holds
+    both formats), compiles none, and computes with the checkpoint's real weights through
+    them (decode steps and the chunked prefill on the 8-bit skinny kernel)."""
+    model, cache = tmp_path / "int8", tmp_path / "graphs"
+    write_quantized(DEMO_MODEL_DIR, model, "int8-w8a16")
+    buckets = {**DEMO_BUCKETS, "token_buckets": [64]}
+    out = subprocess.run(
+        [str(Path(sys.executable).parent / "neuron-serve"), "compile", str(model),
+         "--graph-cache-dir", str(cache), "--kv-cache-dtype", "fp8", "--dtype", "float32",
+         "--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
+         "--kv-cache-memory-bytes", str(64 << 20),
+         "--additional-config", json.dumps({"neuron": buckets})],
+        capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "4/4 graphs ready for 4 buckets: 0 loaded from the cache, 4 compiled" in out.stdout
+    llm = make_llm(model, enforce_eager=False, kv_cache_dtype="fp8", additional_config={
+        "neuron": {**buckets, "cache_dir": str(cache), "require_precompiled": True}})
     try:
+        (stats,) = llm.collective_rpc("graph_stats")
+        assert (stats["cache_hits"], stats["cache_misses"]) == (4, 0)
         check(llm, None, kv_quantized=True)
         (stats,) = llm.collective_rpc("graph_stats")
         assert stats["eager_steps"] == 0 and stats["compiles_after_warmup"] == 0
