@@ -3,7 +3,9 @@ our skinny decode kernel (the emulated backend runs the last two: neuron_serve/d
 emulated/linear.py and skinny_matmul.py), for every weight shape of a model, all its layers,
 at decode and prefill row counts, with a plain sum of as many bytes as the weights for the
 memory's pace. The skinny kernel also runs INT8 and float8 e4m3 copies of the weights (a
-scale per output column, as quantized_linear.py stores them): a quarter of the bytes.
+scale per output column, as quantized_linear.py stores them): a quarter of the bytes. A
+second table runs all of the model's layers in a decode step's order, each format: a
+shape's layers alone may fit a large L3 cache, a whole model's weights do not.
 
     .venv/bin/python benchmarks/linear_bench.py [--model smollm2-135m] [--out DIR]
 """
@@ -98,7 +100,49 @@ def run(config) -> list[dict]:
     return rows_out
 
 
-def markdown(model: str, rows: list[dict]) -> str:
+def whole_model(config, rows=(1, 2, 8)) -> list[dict]:
+    """One pass over every layer's weights in a decode step's order on the skinny kernel,
+    float32, INT8 and e4m3, beside a plain sum of the float32 bytes."""
+    from neuron_serve.device.emulated import skinny_matmul
+    from neuron_serve.device.emulated.quantized_linear import quantize_rows
+
+    shapes = weight_shapes(config)
+    order = [name for _ in range(config.num_hidden_layers) for name in shapes
+             if name != "lm_head"] + ["lm_head"]
+    formats = {"fp32": None, "int8": torch.int8, "e4m3": torch.float8_e4m3fn}
+    layers, nbytes = {f: [] for f in formats}, dict.fromkeys(formats, 0)
+    for name in order:
+        n, k, _ = shapes[name]
+        weight = torch.randn(n, k) / k ** 0.5
+        for fmt, dtype in formats.items():
+            if dtype is None:
+                layers[fmt].append((skinny_matmul.pack_weight(weight), None, n, k))
+            else:
+                values, scale = quantize_rows(weight, dtype)
+                layers[fmt].append((skinny_matmul.pack_weight(values),
+                                    skinny_matmul.pack_scale(scale, dtype), n, k))
+            nbytes[fmt] += n * k * (4 if dtype is None else 1)
+    flat = torch.ones(nbytes["fp32"] // 4)
+    out = []
+    for m in rows:
+        xs = {k: torch.randn(m, k) for *_, k in layers["fp32"]}
+        times, read = {f: [] for f in formats}, []
+        for _ in range(3):  # taking turns
+            for fmt in formats:
+                times[fmt].append(_median_ms(lambda: [
+                    skinny_matmul.skinny_matmul(xs[k], b, None, n, sc) for b, sc, n, k in layers[fmt]]))
+            read.append(_median_ms(lambda: flat.sum()))
+        sum_gb_s = nbytes["fp32"] / 1e6 / statistics.median(read)
+        for fmt in formats:
+            ms = statistics.median(times[fmt])
+            out.append(dict(format=fmt, rows=m, megabytes=nbytes[fmt] / 1e6, ms=ms,
+                            sum_gb_s=sum_gb_s))
+            print(f"all layers {fmt:5s} rows {m}: {ms:7.2f} ms, {nbytes[fmt] / 1e6 / ms:5.1f} GB/s "
+                  f"(sum {sum_gb_s:5.1f} GB/s)", flush=True)
+    return out
+
+
+def markdown(model: str, rows: list[dict], whole: list[dict]) -> str:
     import hardware
 
     from neuron_serve.device.emulated import skinny_matmul
@@ -126,6 +170,11 @@ def markdown(model: str, rows: list[dict]) -> str:
                      f"{r['megabytes'] / r['sum_ms']:.1f} | {r['gflop'] / best * 1e3:.0f} | "
                      f"{r['int8_ms']:.2f} | {r['megabytes'] / 4 / r['int8_ms']:.1f} | "
                      f"{r['e4m3_ms']:.2f} | {r['megabytes'] / 4 / r['e4m3_ms']:.1f} |")
+    lines += ["", "All layers in a decode step's order, one pass (median of 3 rounds taking "
+              "turns); GB/s counts each format's own bytes.", "",
+              "| format | rows | MB | ms | GB/s | sum GB/s |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['format']} | {r['rows']} | {r['megabytes']:.0f} | {r['ms']:.2f} | "
+              f"{r['megabytes'] / r['ms']:.1f} | {r['sum_gb_s']:.1f} |" for r in whole]
     return "\n".join(lines) + "\n"
 
 
@@ -139,7 +188,7 @@ def main() -> None:
     args = parser.parse_args()
     import transformers
     config = transformers.AutoConfig.from_pretrained(checkpoint(args.model))
-    text = markdown(args.model, run(config))
+    text = markdown(args.model, run(config), whole_model(config))
     suffix = args.name or torch.backends.cpu.get_cpu_capability().lower()
     out = Path(args.out) / f"linear_kernels-{args.model}-{suffix}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
