@@ -12,7 +12,7 @@ own method) does it for dense layers, a scale per output channel.
 Each layer keeps one copy, in the skinny kernel's column blocks (skinny_matmul.py) with a
 float32 scale per output column (a per-tensor scale repeated): a decode step reads one
 byte per weight. Prefill steps run on the same kernel. Its tiles widen each weight once
-per 8 rows, so at hundreds of rows it keeps pace with oneDNN on float32 weights; the
+per 8 rows, so at hundreds of rows it runs close to oneDNN on float32 weights; the
 alternative, dequantizing the whole weight inside the graph every step, costs more than
 the matmul. Without the kernel (no AVX2, or bf16 activations) the blocks are dequantized for a
 plain matmul. Activations stay float32, also for checkpoints that declare FP8 activations:
