@@ -8,6 +8,7 @@ second table runs all of the model's layers in a decode step's order, each forma
 shape's layers alone may fit a large L3 cache, a whole model's weights do not.
 
     .venv/bin/python benchmarks/linear_bench.py [--model smollm2-135m] [--out DIR]
+        [--whole-model-only] [--avx2-only]
 """
 
 from __future__ import annotations
@@ -185,10 +186,19 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m", choices=sorted(SHAPES))
     parser.add_argument("--out", default=str(HERE / "results"))
     parser.add_argument("--name", help="file stem suffix (default: the ISA torch reports)")
+    parser.add_argument("--whole-model-only", action="store_true",
+                        help="only the all-layer table")
+    parser.add_argument("--avx2-only", action="store_true",
+                        help="the skinny kernel's AVX2 tiles on a CPU with AVX-512 too")
     args = parser.parse_args()
     import transformers
+
+    from neuron_serve.device.emulated import skinny_matmul
+    skinny_matmul.load()
+    isa = torch.ops.neuron_serve.skinny_matmul_isa(args.avx2_only)
     config = transformers.AutoConfig.from_pretrained(checkpoint(args.model))
-    text = markdown(args.model, run(config), whole_model(config))
+    per_shape = [] if args.whole_model_only else run(config)
+    text = markdown(args.model, per_shape, whole_model(config)) + f"\nSkinny kernel tiles: {isa}.\n"
     suffix = args.name or torch.backends.cpu.get_cpu_capability().lower()
     out = Path(args.out) / f"linear_kernels-{args.model}-{suffix}.md"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,7 @@ def versions() -> dict[str, str]:
     digest = hashlib.sha256()
     for sub in _STEP_SOURCES:
         source = package / sub
-        paths = ([p for p in source.rglob("*") if p.suffix in (".py", ".cpp")]
+        paths = ([p for p in source.rglob("*") if p.suffix in (".py", ".cpp", ".h")]
                  if source.is_dir() else [source])
         for path in sorted(paths):
             digest.update(path.read_bytes())

@@ -11,13 +11,11 @@ are written by neuron_serve.models.quantized from the demo's weights.
 from __future__ import annotations
 
 import functools
-import json
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import VENV_BIN, engine_flags
 from oracles import make_llm
 from train_demo import heldout_windows
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -190,13 +188,10 @@ def test_graphs_compiled_ahead_read_8bit_weights_and_an_fp8_cache(tmp_path):
     model, cache = tmp_path / "int8", tmp_path / "graphs"
     write_quantized(DEMO_MODEL_DIR, model, "int8-w8a16")
     buckets = {**DEMO_BUCKETS, "token_buckets": [64]}
-    out = subprocess.run(
-        [str(Path(sys.executable).parent / "neuron-serve"), "compile", str(model),
-         "--graph-cache-dir", str(cache), "--kv-cache-dtype", "fp8", "--dtype", "float32",
-         "--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
-         "--kv-cache-memory-bytes", str(64 << 20),
-         "--additional-config", json.dumps({"neuron": buckets})],
-        capture_output=True, text=True, timeout=900)
+    # engine_flags are make_llm's settings as command-line flags: the keys must match.
+    out = subprocess.run([str(VENV_BIN / "neuron-serve"), "compile", str(model),
+                          "--graph-cache-dir", str(cache), "--kv-cache-dtype", "fp8",
+                          *engine_flags(buckets)], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "4/4 graphs ready for 4 buckets: 0 loaded from the cache, 4 compiled" in out.stdout
     llm = make_llm(model, enforce_eager=False, kv_cache_dtype="fp8", additional_config={

@@ -21,6 +21,7 @@ from neuron_serve import envs
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (_CSRC / "skinny_matmul.cpp", _CSRC / "paged_attention.cpp")
+HEADERS = (_CSRC / "float8.h",)
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 
 
@@ -42,7 +43,7 @@ def load() -> None:
 
 def library_path() -> Path:
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     digest.update(" ".join(_FLAGS + [torch.__version__]).encode())
     return Path(envs.NEURON_SERVE_KERNEL_DIR) / f"cpu_kernels-{digest.hexdigest()[:16]}.so"

@@ -21,6 +21,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "float8.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -101,20 +103,13 @@ struct Shapes {
 
 enum class Format { kFloat32, kE4M3, kE5M2 };
 
-// 8 float8 values as floats, through F16C: an e5m2 byte is a half's top byte. An e4m3 byte
-// shifted left by 7 has its exponent and mantissa where a half's go and its sign one bit
-// short, which adding the sign bit to itself carries there; the half reads the value times
-// 2^-8 (bias 7 against 15), subnormals included, which the scale undoes (KvCache). The
-// e4m3 NaN reads 480: the writer saturates, so the cache holds none.
+// 8 float8 values as floats, through F16C: an e5m2 byte is a half's top byte; e4m3 bytes
+// read their value times 2^-8 (float8.h), which the scale undoes (KvCache). The e4m3 NaN
+// reads 480: the writer saturates, so the cache holds none.
 inline __m256 fp8x8(const uint8_t* p, Format format) {
-  __m128i h = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  if (format == Format::kE5M2) {
-    h = _mm_slli_epi16(h, 8);
-  } else {
-    h = _mm_slli_epi16(h, 7);
-    h = _mm_add_epi16(h, _mm_and_si128(h, _mm_set1_epi16(0x4000)));
-  }
-  return _mm256_cvtph_ps(h);
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  if (format == Format::kE5M2) return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(bytes), 8));
+  return _mm256_cvtph_ps(e4m3_halves(bytes));
 }
 
 // The KV cache as the kernels read it.

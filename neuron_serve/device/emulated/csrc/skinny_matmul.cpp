@@ -19,6 +19,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "float8.h"
+
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -50,33 +52,23 @@ struct Int8 {
   }
 };
 
-// e4m3 through F16C: the byte shifted left by 7 in a 16-bit lane puts its exponent and
-// mantissa where a half's go, and its sign one bit short of a half's; adding the sign bit
-// to itself carries it there. The half reads the value times 2^-8 (exponent bias 7 against
-// 15), subnormals included; the column scales undo the 2^-8.
+// e4m3 through F16C, as halves of 2^-8 of their value (float8.h); the column scales undo
+// the 2^-8.
 struct E4M3 {
   using T = uint8_t;
-  static __m128i halves(__m128i v) {
-    const __m128i t = _mm_slli_epi16(v, 7);
-    return _mm_add_epi16(t, _mm_and_si128(t, _mm_set1_epi16(0x4000)));
-  }
   static __m256 load8(const T* p) {
-    return _mm256_cvtph_ps(halves(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+    return _mm256_cvtph_ps(e4m3_halves(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
   __attribute__((target("avx512f"))) static __m512 load16(const T* p) {
-    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m256i t = _mm256_slli_epi16(v, 7);
-    return _mm512_cvtph_ps(_mm256_add_epi16(t, _mm256_and_si256(t, _mm256_set1_epi16(0x4000))));
+    return _mm512_cvtph_ps(e4m3_halves16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
   // Two rows of k of a block (32 bytes) in 512-bit integer ops, half the instructions of
-  // two load16s: the byte sign-extended to 16 bits and shifted left by 7 has its sign where
-  // a half's goes and a copy of it on the exponent's top bit, which the mask clears. Widening
-  // bounds the kernel at a few rows, so this is what an e4m3 weight streams at.
+  // two load16s. Widening bounds the kernel at a few rows, so this is what an e4m3 weight
+  // streams at.
   static constexpr bool kPairs = true;
   __attribute__((target("avx512f,avx512bw"))) static void load16x2(const T* p, __m512& a,
                                                                    __m512& b) {
-    const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    const __m512i h = _mm512_and_si512(_mm512_slli_epi16(v, 7), _mm512_set1_epi16(0xBFFF));
+    const __m512i h = e4m3_halves32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     a = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
     b = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
   }
