@@ -26,6 +26,9 @@ class GraphStats:
                                    "Seconds spent loading bucket graphs from the cache", 0.0)
     eager_steps: int = _counter("eager_steps",
                                 "Steps run eagerly because their bucket had no graph yet")
+    replayed_steps: int = _counter("replayed_steps",
+                                   "Steps whose compiled program was called with its recorded "
+                                   "arguments, past the graph's calling machinery")
     real_tokens: int = _counter("real_tokens", "Scheduled tokens run through the model")
     padded_tokens: int = _counter("padded_tokens",
                                   "Tokens run through the model including bucket padding")

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -14,6 +15,14 @@ from torch import nn
 from neuron_serve.logs import init_logger
 
 logger = init_logger(__name__)
+
+
+class GraphCaller(Protocol):
+    """Runs one bucket's compiled graph, given the call that runs it the usual way."""
+
+    replaying: bool  # whether calls now skip the graph's own calling machinery
+
+    def __call__(self, graph_call: Callable[[], tuple]) -> tuple: ...
 
 
 class Device:
@@ -105,6 +114,11 @@ class Device:
     def inline_layers(self, decode: bool) -> bool:
         """Whether such a graph must inline every layer instead of compile regions."""
         return False
+
+    def graph_caller(self, decode: bool) -> GraphCaller | None:
+        """What runs one bucket's compiled graph on every step, if not the graph itself
+        (the emulated backend's replay.py)."""
+        return None
 
 
 @functools.cache

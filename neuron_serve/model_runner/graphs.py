@@ -10,6 +10,10 @@ compiled-graph cache (neuron_serve.graph_cache).
 Where the device keeps the context dimensions symbolic (Device.symbolic_context), the
 buckets that differ only in block-table width share one graph, traced on the widest of
 them with that width and the KV cache's block count left symbolic.
+
+A step calls its bucket's graph through the device's caller (Device.graph_caller), which
+may skip the graph's own calling machinery: the emulated backend calls the compiled
+program straight with the arguments it recorded (device/emulated/replay.py).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from vllm.forward_context import create_forward_context, override_forward_contex
 
 from neuron_serve.buckets import Bucket
 from neuron_serve.device import Device
+from neuron_serve.device.base import GraphCaller
 from neuron_serve.graph_cache.store import GraphCache, GraphKey
 from neuron_serve.logs import init_logger
 from neuron_serve.model_runner import compile_regions
@@ -67,6 +72,7 @@ class StepGraphs:
             self.traced_on[self.graph_of[bucket]] = bucket
         self.kv_caches = list(kv_caches)
         self.graphs: dict[Bucket, Callable] = {}  # graph id → compiled graph
+        self.callers: dict[Bucket, GraphCaller | None] = {}  # bucket → Device.graph_caller
         self.stats = GraphStats()
         self.num_compiles = 0
         self._warm_compiles: int | None = None
@@ -87,9 +93,20 @@ class StepGraphs:
         self.stats.bucket_steps[str(bucket)] += 1
         if fn is None and self.compile_backend is not None:
             self.stats.eager_steps += 1
+        caller = self._caller(bucket) if fn is not None else None
         # no_grad here, not at the call sites: grad mode is part of every graph's guards.
         with torch.no_grad(), override_forward_context(self._contexts[bucket]):
-            return (fn or step)(self.model, buf.input_ids, buf.positions, buf.logits_indices)
+            if caller is None:
+                return (fn or step)(self.model, buf.input_ids, buf.positions, buf.logits_indices)
+            self.stats.replayed_steps += caller.replaying
+            return caller(lambda: fn(self.model, buf.input_ids, buf.positions, buf.logits_indices))
+
+    def _caller(self, bucket: Bucket) -> GraphCaller | None:
+        """The device's caller of a bucket's graph, made on its first compiled step (a
+        bucket's graph, once there, is never replaced)."""
+        if bucket not in self.callers:
+            self.callers[bucket] = self.device.graph_caller(bucket.is_decode)
+        return self.callers[bucket]
 
     # ---- compiling and loading -------------------------------------------------------
 

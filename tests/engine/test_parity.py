@@ -27,5 +27,8 @@ def test_greedy_matches_transformers(checkpoints, family, mode):
         for prompt, out in zip(batch, greedy(llm, batch)):
             assert list(out.outputs[0].token_ids) == hf_greedy(checkpoints[family], prompt), family
         assert sum(llm.collective_rpc("compiles_after_warmup")) == 0
+        if mode == "compiled":  # past two steps, a bucket's program is replayed (replay.py)
+            (stats,) = llm.collective_rpc("graph_stats")
+            assert stats["replayed_steps"] > 0
     finally:
         llm.llm_engine.engine_core.shutdown()

@@ -8,6 +8,7 @@ in for the Neuron compiler. What only the CPU needs lives in this package:
     skinny_matmul.py       our own kernel
     attention.py         the "cpu" attention kernel set (C++ paged attention)
     kv_memory.py         the KV cache on huge pages
+    replay.py            a bucket's compiled program called straight, its arguments recorded
     extension.py         builds and loads csrc/*.cpp
     inductor_strides.py  a faster answer to inductor's stride query
 """
@@ -24,7 +25,7 @@ from torch import nn
 
 from neuron_serve import envs
 from neuron_serve.attention import kernels
-from neuron_serve.device.base import Device
+from neuron_serve.device.base import Device, GraphCaller
 from neuron_serve.device.emulated import attention, extension, setup, skinny_matmul
 from neuron_serve.logs import init_logger
 
@@ -135,6 +136,11 @@ class EmulatedDevice(Device):
 
     def inline_layers(self, decode: bool) -> bool:
         return _cpp_wrapper(decode)  # inductor's C++ wrapper cannot emit compile regions
+
+    def graph_caller(self, decode: bool) -> GraphCaller:
+        from neuron_serve.device.emulated import replay
+
+        return replay.ProgramReplay(sizes_as_tensors=_cpp_wrapper(decode))
 
     def _linear_kernels(self) -> str:
         from neuron_serve.device.emulated import linear
