@@ -7,7 +7,7 @@ runtime wrappers, and, for a C++-wrapper graph, a Python entry that turns each s
 size into a tensor. A bucket's graph is called with the same model, the same persistent
 buffers and the same KV caches on every step, so all of that rebuilds the same argument
 list every time: a visible share of a short decode step (measured: benchmarks/README.md,
-"Step overhead").
+"Design measurements").
 
 `ProgramReplay` watches two calls of a bucket's graph. If each ran exactly one inductor
 program, with the same tensor objects and the same sizes both times, and the graph
