@@ -51,6 +51,8 @@ def test_compiled_greedy_matches_transformers(checkpoints, mode):
         for prompt, out in zip(batch, greedy(llm, batch)):
             assert list(out.outputs[0].token_ids) == hf_greedy(checkpoints["qwen3"], prompt)
         assert llm.collective_rpc("compiles_after_warmup") == [0, 0]
+        if mode == "ahead":  # each rank replays its programs, collectives and all (replay.py)
+            assert all(s["replayed_steps"] > 0 for s in llm.collective_rpc("graph_stats"))
     finally:
         shut(llm)
 
