@@ -43,19 +43,19 @@ def compiled(request):
     with torch.no_grad():
         fn = torch.compile(step, fullgraph=True, dynamic=False,
                            options={"cpp_wrapper": request.param}).aot_compile(((model, x, slot), {}))
-    for attr in ("_dynamo_dynamic_indices", "_dynamo_dynamic_range", "_dynamo_hint_overrides",
-                 "_specialize_on", "_has_dynamo_dim_marking"):
-        if hasattr(model.cache, attr):
-            delattr(model.cache, attr)
-    fn.disable_guard_check()
+    fn.disable_guard_check()  # as the runner does: later calls pass the same objects
     return fn, model, x, slot, request.param
 
 
-def test_replay_matches_eager_on_new_inputs_every_step(compiled):
+def fresh_start(compiled):
+    """An empty cache, its eager twin (the oracle) and a new replay."""
     fn, model, x, slot, cpp_wrapper = compiled
     model.cache.zero_()
-    reference = copy.deepcopy(model)
-    replay = ProgramReplay(sizes_as_tensors=cpp_wrapper)
+    return fn, model, x, slot, copy.deepcopy(model), ProgramReplay(sizes_as_tensors=cpp_wrapper)
+
+
+def test_replay_matches_eager_on_new_inputs_every_step(compiled):
+    fn, model, x, slot, reference, replay = fresh_start(compiled)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for i in range(6):
@@ -71,10 +71,7 @@ def test_replay_matches_eager_on_new_inputs_every_step(compiled):
 
 
 def test_a_new_tensor_per_call_is_never_replayed(compiled):
-    fn, model, x, slot, cpp_wrapper = compiled
-    model.cache.zero_()
-    reference = copy.deepcopy(model)
-    replay = ProgramReplay(sizes_as_tensors=cpp_wrapper)
+    fn, model, _, slot, reference, replay = fresh_start(compiled)
     gen = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for i in range(4):

@@ -2,7 +2,7 @@
 was last given.
 
 Calling an inductor graph goes through dynamo's bytecode (which gathers every weight,
-buffer and KV cache off the model: ~400 tensors for a 30-layer model), AOT autograd's
+buffer and KV cache off the model: ~340 tensors for a 30-layer model), AOT autograd's
 runtime wrappers, and, for a C++-wrapper graph, a Python entry that turns each symbolic
 size into a tensor. A bucket's graph is called with the same model, the same persistent
 buffers and the same KV caches on every step, so all of that rebuilds the same argument
