@@ -7,6 +7,7 @@ Oracle: the same module run eagerly on its own copy of the weights and cache.
 
 import copy
 import functools
+import gc
 
 import pytest
 import torch
@@ -80,3 +81,17 @@ def test_a_new_tensor_per_call_is_never_replayed(compiled):
             logits, _ = replay(functools.partial(fn, model, fresh, slot))
             torch.testing.assert_close(logits, reference(fresh, slot)[0])
             assert not replay.replaying
+
+
+def test_replay_holds_a_cpp_reference_on_its_tensors_while_it_lives(compiled):
+    """So the program's dropping of its input handles never hands a tensor's Python object
+    back (under the GIL) mid-step; gone with the replay, so nothing is kept alive."""
+    fn, model, x, slot, _, replay = fresh_start(compiled)
+    before = model.weight._use_count()
+    with torch.no_grad():
+        for _ in range(3):
+            replay(lambda: fn(model, x, slot))
+    assert replay.replaying and model.weight._use_count() == before + 1
+    del replay
+    gc.collect()
+    assert model.weight._use_count() == before

@@ -126,13 +126,26 @@ class EmulatedDevice(Device):
         return {"backend": self.compile_backend, "threads": torch.get_num_threads(),
                 "isa": torch.backends.cpu.get_cpu_capability(),
                 "linear": self._linear_kernels(), "attention": self.attention_kernel,
-                "decode": self.graph_options(decode=True)}
+                "decode": _key_form(self.graph_options(decode=True)),
+                "mixed": _key_form(self.graph_options(decode=False))}
 
     def graph_options(self, decode: bool) -> dict | None:
         """Decode graphs call their kernels from inductor's C++ wrapper, not its Python one,
         whose per-kernel overhead is a large share of a short decode step; mixed steps are
-        long enough not to notice and keep the Python wrapper, which builds faster."""
-        return {"cpp_wrapper": True} if _cpp_wrapper(decode) else None
+        long enough not to notice and keep the Python wrapper, which builds faster.
+
+        No size asserts: a graph is only ever given the tensors dynamo's guards checked (or,
+        replayed, the very tensors two guarded calls were given), so its ~500 checks of
+        every input's and kernel output's sizes and strides re-prove what is known, a
+        visible share of a 1-sequence decode step (measured: benchmarks/README.md,
+        "Design measurements"). For the same reason the C++ wrapper calls our kernels'
+        C entries directly (extension.c_shims), not through the dispatcher."""
+        options: dict = {"size_asserts": False}
+        if _cpp_wrapper(decode):
+            options["cpp_wrapper"] = True
+            if extension.cpu_supported():
+                options["aot_inductor.custom_ops_to_c_shims"] = extension.c_shims()
+        return options
 
     def inline_layers(self, decode: bool) -> bool:
         return _cpp_wrapper(decode)  # inductor's C++ wrapper cannot emit compile regions
@@ -149,6 +162,12 @@ class EmulatedDevice(Device):
             return "aten"
         rows = skinny_matmul.max_rows()
         return f"onednn-packed+skinny<={rows}" if rows else "onednn-packed"
+
+
+def _key_form(options: dict) -> dict:
+    """Graph options as the cache key holds them (JSON: ops by name)."""
+    return {name: {str(k): v for k, v in value.items()} if isinstance(value, dict) else value
+            for name, value in options.items()}
 
 
 def _cpp_wrapper(decode: bool) -> bool:

@@ -8,6 +8,7 @@ file per sources, flags and torch version.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import os
@@ -39,6 +40,30 @@ def load() -> None:
         torch.ops.load_library(str(library))
     else:
         _build_and_load(library)
+    # Into the global symbol scope too: decode graphs call the ops' C entries
+    # (aoti_torch_cpu_*), which the loader must find when it loads a compiled graph.
+    ctypes.CDLL(str(library), mode=os.RTLD_NOW | os.RTLD_GLOBAL)
+
+
+# The library's C entries for inductor's C++ wrapper, by op (their definitions end each
+# source): a decode graph calls them directly instead of through the dispatcher.
+_C_SHIMS = {
+    "skinny_matmul": "AOTITorchError aoti_torch_cpu_skinny_matmul(AtenTensorHandle x, "
+                     "AtenTensorHandle weight_blocks, AtenTensorHandle* bias, "
+                     "int64_t out_features, AtenTensorHandle* scale, AtenTensorHandle* out)",
+    "paged_attention": "AOTITorchError aoti_torch_cpu_paged_attention(AtenTensorHandle query, "
+                       "AtenTensorHandle kv_cache, AtenTensorHandle block_table, "
+                       "AtenTensorHandle token_req, AtenTensorHandle token_pos, double scale, "
+                       "int64_t sliding_window, double soft_cap, AtenTensorHandle* k_scale, "
+                       "AtenTensorHandle* v_scale, AtenTensorHandle* out)",
+}
+
+
+def c_shims() -> dict[torch._ops.OpOverload, list[str]]:
+    """inductor's `aot_inductor.custom_ops_to_c_shims` for the loaded library's ops."""
+    load()
+    return {getattr(torch.ops.neuron_serve, op).default: [declaration]
+            for op, declaration in _C_SHIMS.items()}
 
 
 def library_path() -> Path:

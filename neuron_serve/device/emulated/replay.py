@@ -18,6 +18,7 @@ wrappers rework) keeps the full path, so a replay can only ever do what the grap
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -76,6 +77,16 @@ class ProgramReplay:
         if self.sizes_as_tensors:
             args = [a if isinstance(a, torch.Tensor) else torch.tensor(a) for a in args]
         self.program, self.args, self._seen = program.current_callable, args, None
+        _hold_cpp_references(self, [a for a in args if isinstance(a, torch.Tensor)])
+
+
+def _hold_cpp_references(owner: object, tensors: list[torch.Tensor]) -> None:
+    """One more C++ reference on each tensor while `owner` lives. A C++-wrapper program drops
+    its handle on each input once done with it; a tensor whose C++ count falls back to one
+    hands its Python object back, which takes the GIL the program released: ~400 times a
+    step, a measurable share of a short one (benchmarks/README.md, "Design measurements")."""
+    pins = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors(tensors)
+    weakref.finalize(owner, torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs, pins)
 
 
 def _watch(graph_call: Callable[[], tuple]) -> tuple[list, tuple]:

@@ -19,6 +19,7 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
 #include <immintrin.h>
+#include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
 
 #include "float8.h"
@@ -802,4 +803,20 @@ TORCH_LIBRARY_FRAGMENT(neuron_serve, m) {
 TORCH_LIBRARY_IMPL(neuron_serve, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("paged_attention_tiles", &paged_attention_tiles);
+}
+
+// The decode op's C entry for inductor's C++ wrapper (see skinny_matmul's): no boxing
+// through the dispatcher on each layer's call.
+extern "C" AOTITorchError aoti_torch_cpu_paged_attention(
+    AtenTensorHandle query, AtenTensorHandle kv_cache, AtenTensorHandle block_table,
+    AtenTensorHandle token_req, AtenTensorHandle token_pos, double scale, int64_t sliding_window,
+    double soft_cap, AtenTensorHandle* k_scale, AtenTensorHandle* v_scale, AtenTensorHandle* out) {
+  using namespace torch::aot_inductor;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *out = new_tensor_handle(paged_attention(
+        *tensor_handle_to_tensor_pointer(query), *tensor_handle_to_tensor_pointer(kv_cache),
+        *tensor_handle_to_tensor_pointer(block_table), *tensor_handle_to_tensor_pointer(token_req),
+        *tensor_handle_to_tensor_pointer(token_pos), scale, sliding_window, soft_cap,
+        pointer_to_optional<at::Tensor>(k_scale), pointer_to_optional<at::Tensor>(v_scale)));
+  });
 }
