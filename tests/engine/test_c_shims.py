@@ -6,11 +6,13 @@ Oracles: the INT8 weight dequantized and multiplied in float64; the reference at
 kernel (attention/kernels.py), which gathers the whole block table naively.
 """
 
+import pickle
+
 import pytest
 import torch
 
 from neuron_serve.attention import kernels
-from neuron_serve.device.emulated import EmulatedDevice, attention, extension, skinny_matmul
+from neuron_serve.device.emulated import EmulatedDevice, attention, extension, setup, skinny_matmul
 from neuron_serve.device.emulated.quantized_linear import quantize_rows
 
 pytestmark = pytest.mark.skipif(not extension.cpu_supported(), reason="the kernels need AVX2")
@@ -67,3 +69,13 @@ def test_compiled_decode_graph_calls_the_c_entries(inputs):
     eager_hidden, eager_attended = layer(*args)
     torch.testing.assert_close(hidden, eager_hidden, rtol=0, atol=0)
     torch.testing.assert_close(attended, eager_attended, rtol=0, atol=0)
+
+
+def test_decode_graph_options_pickle_alike_in_every_process():
+    """AOT autograd's cache key pickles the compile options. Unpicklable, it falls back to
+    a nonce from `random`, which vLLM seeds alike in every process, so one graph's entry
+    was loaded for another's (seen: an FP8 model given the fp32 model's graph)."""
+    setup.worker_process()
+    options = EmulatedDevice().graph_options(decode=True)
+    assert options["aot_inductor.custom_ops_to_c_shims"]
+    assert pickle.loads(pickle.dumps(options)) == options  # the ops by name

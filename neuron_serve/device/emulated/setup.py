@@ -11,11 +11,13 @@ is made here, once per process, and logged once at INFO with what it changes and
   was built from are cached, pruned and exported with it.
 * `torch.zeros`, for vLLM's one KV-cache allocation only: kv_memory.py's huge pages.
 * CPU affinity and torch's thread count of a model rank: its share of the host's cores.
+* pickling a torch op (`OpOverload`): by its name.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copyreg
 import functools
 import os
 from collections.abc import Iterator
@@ -69,6 +71,20 @@ def worker_process() -> None:
     _log_once("inductor trusts the CPU's flags for its vector ISA (cpp.vec_isa_ok)",
               "else every compiling process builds and dlopen-probes a test program per ISA: "
               "seconds before its first graph")
+    copyreg.pickle(torch._ops.OpOverload, _pickle_op)
+    _log_once("torch ops pickle by name",
+              "a decode graph's options name ops (aot_inductor.custom_ops_to_c_shims); "
+              "unpicklable, they leave AOT autograd's cache a nonce key from `random`, which "
+              "vLLM seeds alike in every process: one graph's entry loaded for another")
+
+
+def _pickle_op(op: torch._ops.OpOverload) -> tuple:
+    return _op_named, (op._schema.name, op._overloadname)
+
+
+def _op_named(qualified_name: str, overload: str) -> torch._ops.OpOverload:
+    namespace, name = qualified_name.split("::")
+    return getattr(getattr(getattr(torch.ops, namespace), name), overload or "default")
 
 
 def share_cores(slot: int, ranks_on_host: int) -> None:
