@@ -815,7 +815,8 @@ extern "C" AOTITorchError aoti_torch_cpu_paged_attention(
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
     *out = new_tensor_handle(paged_attention(
         *tensor_handle_to_tensor_pointer(query), *tensor_handle_to_tensor_pointer(kv_cache),
-        *tensor_handle_to_tensor_pointer(block_table), *tensor_handle_to_tensor_pointer(token_req),
+        *tensor_handle_to_tensor_pointer(block_table),
+        *tensor_handle_to_tensor_pointer(token_req),
         *tensor_handle_to_tensor_pointer(token_pos), scale, sliding_window, soft_cap,
         pointer_to_optional<at::Tensor>(k_scale), pointer_to_optional<at::Tensor>(v_scale)));
   });

@@ -434,14 +434,14 @@ TORCH_LIBRARY_IMPL(neuron_serve, CPU, m) { m.impl("skinny_matmul", &skinny_matmu
 // The op's C entry for inductor's C++ wrapper (aot_inductor.custom_ops_to_c_shims): a
 // compiled graph calls it directly instead of boxing its arguments through the dispatcher
 // on every one of a decode step's ~120 matmuls.
-extern "C" AOTITorchError aoti_torch_cpu_skinny_matmul(AtenTensorHandle x, AtenTensorHandle weight_blocks,
-                                                       AtenTensorHandle* bias, int64_t out_features,
-                                                       AtenTensorHandle* scale, AtenTensorHandle* out) {
+extern "C" AOTITorchError aoti_torch_cpu_skinny_matmul(
+    AtenTensorHandle x, AtenTensorHandle weight_blocks, AtenTensorHandle* bias,
+    int64_t out_features, AtenTensorHandle* scale, AtenTensorHandle* out) {
   using namespace torch::aot_inductor;
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-    *out = new_tensor_handle(skinny_matmul(*tensor_handle_to_tensor_pointer(x),
-                                           *tensor_handle_to_tensor_pointer(weight_blocks),
-                                           pointer_to_optional<at::Tensor>(bias), out_features,
-                                           pointer_to_optional<at::Tensor>(scale)));
+    *out = new_tensor_handle(skinny_matmul(
+        *tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(weight_blocks),
+        pointer_to_optional<at::Tensor>(bias), out_features,
+        pointer_to_optional<at::Tensor>(scale)));
   });
 }
