@@ -134,10 +134,10 @@ class EmulatedDevice(Device):
         whose per-kernel overhead is a large share of a short decode step; mixed steps are
         long enough not to notice and keep the Python wrapper, which builds faster.
 
-        No size asserts: a graph is only ever given the tensors dynamo's guards checked (or,
-        replayed, the very tensors two guarded calls were given), so its ~500 checks of
-        every input's and kernel output's sizes and strides re-prove what is known, a
-        visible share of a 1-sequence decode step (measured: benchmarks/README.md,
+        No size asserts: a bucket's graph is given the same weights, persistent buffers and
+        KV caches on every step, checked once by dynamo's guards on its smoke run, so its
+        ~500 checks of every input's and kernel output's sizes and strides re-prove on every
+        call what is known, a visible share of a 1-sequence decode step (measured: benchmarks/README.md,
         "Design measurements"). For the same reason the C++ wrapper calls our kernels'
         C entries directly (extension.c_shims), not through the dispatcher."""
         options: dict = {"size_asserts": False}

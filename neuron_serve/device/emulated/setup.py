@@ -79,12 +79,9 @@ def worker_process() -> None:
 
 
 def _pickle_op(op: torch._ops.OpOverload) -> tuple:
-    return _op_named, (op._schema.name, op._overloadname)
+    from torch._library.utils import lookup_op
 
-
-def _op_named(qualified_name: str, overload: str) -> torch._ops.OpOverload:
-    namespace, name = qualified_name.split("::")
-    return getattr(getattr(getattr(torch.ops, namespace), name), overload or "default")
+    return lookup_op, (f"{op._schema.name}.{op._overloadname or 'default'}",)
 
 
 def share_cores(slot: int, ranks_on_host: int) -> None:
