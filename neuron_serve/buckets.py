@@ -80,13 +80,14 @@ def powers_of_two(lo: int, hi: int, stride: int = 1) -> list[int]:
 
 
 def default_token_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> list[int]:
-    """A prefill chunk of 64, 128, 256, ... tokens beside a decode of every running request
-    (vLLM schedules both in one step), rounded up to 32 tokens; then the engine limit.
-    Without the decodes' room a 128-token prompt arriving during decodes pads to 256, which
-    lengthens its time to first token (measured: benchmarks/README.md, "Design
-    measurements")."""
+    """A prefill chunk of 64, 128, 256, ... tokens beside a decode of every other running
+    request (vLLM schedules both in one step), rounded up to 32 tokens; then the engine
+    limit. Without the decodes' room a 128-token prompt arriving during decodes pads to 256,
+    which lengthens its time to first token (measured: benchmarks/README.md, "Design
+    measurements"). With one sequence there is no other request: a chunk fills its bucket."""
     chunks = powers_of_two(min(64, max_num_batched_tokens), max_num_batched_tokens)[:-1]
-    return sorted({min(max_num_batched_tokens, -(-(c + max_num_seqs) // 32) * 32) for c in chunks}
+    others = max_num_seqs - 1
+    return sorted({min(max_num_batched_tokens, -(-(c + others) // 32) * 32) for c in chunks}
                   | {max_num_batched_tokens})
 
 

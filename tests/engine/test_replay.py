@@ -67,8 +67,10 @@ def test_replay_matches_eager_on_new_inputs_every_step(compiled):
             torch.testing.assert_close(logits, expected_logits)
             torch.testing.assert_close(hidden, expected_hidden)
             torch.testing.assert_close(model.cache, reference.cache)
-            # Two calls through the graph prove its arguments the same; then it replays.
+            # Two calls through the graph prove its arguments the same; then it replays, a
+            # C++-wrapper program through its C++ entry.
             assert replay.replaying == (i >= 1)
+            assert (replay.native is not None) == (replay.replaying and compiled[-1])
 
 
 def test_a_new_tensor_per_call_is_never_replayed(compiled):

@@ -163,6 +163,12 @@ def test_best_buckets_is_optimal_against_brute_force(seed):
     assert edges[-1] == cap and len(edges) <= k and edges == sorted(edges)
 
 
+def test_token_buckets_leave_room_for_the_other_requests_decodes():
+    assert make(max_num_seqs=1).token_buckets == (64, 128, 256)  # no other request
+    assert make(max_num_seqs=2).token_buckets == (96, 160, 256)
+    assert make(max_num_seqs=64).token_buckets == (128, 192, 256)
+
+
 def write_trace(path, rows) -> str:
     path.write_text("\n".join(json.dumps({"prompt_tokens": p, "output_tokens": o}) for p, o in rows))
     return str(path)

@@ -21,7 +21,8 @@ import torch
 from neuron_serve import envs
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (_CSRC / "skinny_matmul.cpp", _CSRC / "paged_attention.cpp")
+SOURCES = tuple(_CSRC / name for name in ("skinny_matmul.cpp", "paged_attention.cpp",
+                                          "program_call.cpp"))
 HEADERS = (_CSRC / "float8.h",)
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 
@@ -64,6 +65,18 @@ def c_shims() -> dict[torch._ops.OpOverload, list[str]]:
     load()
     return {getattr(torch.ops.neuron_serve, op).default: [declaration]
             for op, declaration in _C_SHIMS.items()}
+
+
+@functools.cache
+def graph_caller() -> ctypes._CFuncPtr:
+    """The library's `neuron_serve_call_graph` (program_call.cpp). Through `ctypes.PyDLL`,
+    so it is called holding the GIL, which the graph's entry releases while it runs."""
+    load()
+    call = ctypes.PyDLL(str(library_path()))["neuron_serve_call_graph"]
+    call.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int64,
+                     ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_int64]
+    call.restype = ctypes.c_int
+    return call
 
 
 def library_path() -> Path:

@@ -14,16 +14,23 @@ program, with the same tensor objects and the same sizes both times, and the gra
 returned that program's outputs unchanged, later calls hand the recorded arguments to the
 program directly. Anything else (a tensor built per call, a second program, an output the
 wrappers rework) keeps the full path, so a replay can only ever do what the graph does.
+
+A C++-wrapper program's Python entry also makes a new handle per argument through Python
+on every call; a replay calls its C++ entry from C++ instead (program_call.cpp), on copies
+of handles it holds.
 """
 
 from __future__ import annotations
 
+import ctypes
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch._inductor.output_code import CompiledFxGraph
+
+from neuron_serve.device.emulated import extension
 
 _PROFILER_LABEL = "## Call CompiledFxGraph replayed ##"  # benchmarks/step_profile.py keys on it
 
@@ -38,6 +45,7 @@ class ProgramReplay:
         self.sizes_as_tensors = sizes_as_tensors
         self.program: Callable[[list], Sequence[torch.Tensor]] | None = None
         self.args: list = []
+        self.native: NativeCall | None = None  # the C++ entry, where the program has one
         self._seen: list[Any] | None = None  # the first call's arguments
         self.watching = True  # False once the graph proved not replayable
 
@@ -57,7 +65,12 @@ class ProgramReplay:
     def _replay(self) -> tuple:
         if torch.autograd.profiler._is_profiler_enabled:
             with torch.profiler.record_function(_PROFILER_LABEL):
-                return tuple(self.program(list(self.args)))
+                return self._call()
+        return self._call()
+
+    def _call(self) -> tuple:
+        if self.native is not None:
+            return self.native()
         return tuple(self.program(list(self.args)))  # the program clears the list it gets
 
     def _learn(self, calls: list[tuple[CompiledFxGraph, list, Any]], result: tuple) -> None:
@@ -77,16 +90,66 @@ class ProgramReplay:
         if self.sizes_as_tensors:
             args = [a if isinstance(a, torch.Tensor) else torch.tensor(a) for a in args]
         self.program, self.args, self._seen = program.current_callable, args, None
-        _hold_cpp_references(self, [a for a in args if isinstance(a, torch.Tensor)])
+        held = _hold_cpp_references(self, [a for a in args if isinstance(a, torch.Tensor)])
+        entry = _cpp_entry(self.program) if self.sizes_as_tensors else None
+        if entry is not None and len(held) == len(args) and all(
+                isinstance(o, torch.Tensor) for o in outputs):
+            self.native = NativeCall(entry, held, len(outputs))
 
 
-def _hold_cpp_references(owner: object, tensors: list[torch.Tensor]) -> None:
-    """One more C++ reference on each tensor while `owner` lives. A C++-wrapper program drops
-    its handle on each input once done with it; a tensor whose C++ count falls back to one
-    hands its Python object back, which takes the GIL the program released: ~400 times a
-    step, a measurable share of a short one (benchmarks/README.md, "Design measurements")."""
+def _hold_cpp_references(owner: object, tensors: list[torch.Tensor]) -> list:
+    """One more C++ reference on each tensor while `owner` lives; returns their handles. A
+    C++-wrapper program drops its handle on each input once done with it; a tensor whose C++
+    count falls back to one hands its Python object back, which takes the GIL the program
+    released: ~400 times a step, a measurable share of a short one (benchmarks/README.md,
+    "Design measurements")."""
     pins = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors(tensors)
     weakref.finalize(owner, torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs, pins)
+    return pins
+
+
+# The C++ wrapper's entry, `void inductor_entry_impl(AtenTensorHandle*, AtenTensorHandle*)`
+# (torch/_inductor/codegen/cpp_wrapper_cpu.py), by its C++ name in the graph's library.
+_ENTRY_SYMBOL = "_Z19inductor_entry_implPP16AtenTensorOpaqueS1_"
+
+
+def _cpp_entry(program: Callable) -> int | None:
+    """The address of a C++-wrapper program's entry, or None if it cannot be found (the
+    replay then calls the program's Python entry)."""
+    module = getattr(getattr(program, "__globals__", {}).get("inductor_entry"), "__self__", None)
+    path = getattr(module, "__file__", None)
+    if path is None:
+        return None
+    try:
+        return ctypes.cast(ctypes.PyDLL(path)[_ENTRY_SYMBOL], ctypes.c_void_p).value
+    except (AttributeError, OSError):
+        return None
+
+
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype, _capsule_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+_new_capsule = ctypes.pythonapi.PyCapsule_New
+_new_capsule.restype = ctypes.py_object
+_new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+
+
+class NativeCall:
+    """A C++-wrapper program's entry called from C++ on copies of the replay's held handles
+    (program_call.cpp): no Python list of new handles per call."""
+
+    def __init__(self, entry: int, held: list, num_outputs: int):
+        self.entry = entry
+        self.held = (ctypes.c_void_p * len(held))(*(_capsule_pointer(h, None) for h in held))
+        self.outputs = (ctypes.c_void_p * num_outputs)()
+        self.error = ctypes.create_string_buffer(2048)
+        self.call = extension.graph_caller()
+
+    def __call__(self) -> tuple:
+        if self.call(self.entry, self.held, len(self.held), self.outputs, self.error,
+                     len(self.error)):
+            raise RuntimeError(f"compiled graph failed: {self.error.value.decode(errors='replace')}")
+        handles = [_new_capsule(h, None, None) for h in self.outputs]
+        return tuple(torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs(handles))
 
 
 def _watch(graph_call: Callable[[], tuple]) -> tuple[list, tuple]:
