@@ -29,6 +29,7 @@
 #include <cstring>
 #include <utility>
 #include <optional>
+#include <vector>
 
 namespace {
 
@@ -325,6 +326,48 @@ struct Kernel {
   }
 };
 
+// A call's blocks as one run per thread, each a sequence of panels `width` blocks wide. Its
+// owner takes a run's panels front to back; a thread done with its own run takes the
+// others' from their back ends. On two cores a thread that starts late, or loses its core
+// for a while (to vLLM's front end, say), does not hold the other at the join.
+class PanelRuns {
+ public:
+  PanelRuns(int64_t blocks, int64_t grain, int64_t width)
+      : blocks_(blocks), width_(width),
+        count_(std::clamp<int64_t>((blocks + grain - 1) / grain, 1, at::get_num_threads())),
+        chunk_((blocks + count_ - 1) / count_), ends_(count_) {
+    for (int64_t run = 0; run < count_; ++run) {
+      const int64_t panels = (last(run) - first(run) + width_ - 1) / width_;
+      ends_[run].packed.store(static_cast<uint64_t>(std::max<int64_t>(panels, 0)) << 32);
+    }
+  }
+  int64_t count() const { return count_; }
+  int64_t first(int64_t run) const { return std::min(blocks_, run * chunk_); }
+  int64_t last(int64_t run) const { return std::min(blocks_, (run + 1) * chunk_); }
+
+  // Claims the run's first (or last) panel not yet taken; false once none is left.
+  bool take(int64_t run, bool front, int64_t& block) const {
+    std::atomic<uint64_t>& ends = ends_[run].packed;  // front panel | back panel << 32
+    uint64_t now = ends.load(std::memory_order_relaxed);
+    for (;;) {
+      const uint64_t lo = now & 0xFFFFFFFFu, hi = now >> 32;
+      if (lo >= hi) return false;
+      const uint64_t claimed = front ? now + 1 : now - (uint64_t{1} << 32);
+      if (ends.compare_exchange_weak(now, claimed, std::memory_order_relaxed)) {
+        block = first(run) + static_cast<int64_t>(front ? lo : hi - 1) * width_;
+        return true;
+      }
+    }
+  }
+
+ private:
+  struct alignas(64) Ends {  // a cache line of its own per run
+    std::atomic<uint64_t> packed{0};
+  };
+  int64_t blocks_, width_, count_, chunk_;
+  mutable std::vector<Ends> ends_;
+};
+
 // Tests set this to run the AVX2 tiles on a CPU with AVX-512 too.
 std::atomic<bool> avx2_only{false};
 
@@ -394,28 +437,38 @@ at::Tensor skinny_matmul(const at::Tensor& x_in, const at::Tensor& weight_blocks
   // Threads take equal runs of blocks, not of panels: 36 blocks in panels of 4 would split
   // 5 + 4 panels. A task streams at least ~64 KB of weights so small layers skip the fork.
   const int64_t grain = std::max<int64_t>(1, 65536 / block_bytes);
-  at::parallel_for(0, blocks, grain, [&](int64_t first, int64_t last) {
-    for (int64_t block = first; block < last; block += width) {
-      const int64_t panel_blocks = std::min(width, last - block);
-      const int64_t columns = std::min(panel_blocks * kBlock, out_features - block * kBlock);
-      // The last panel's bias, padded with zeros, so a tile reads whole blocks everywhere.
-      alignas(64) float bias_tail[kMaxBlocks512 * kBlock] = {};
-      const float* panel_bias = bias ? bias + block * kBlock : nullptr;
-      if (bias && columns < panel_blocks * kBlock) {
-        std::memcpy(bias_tail, panel_bias, columns * sizeof(float));
-        panel_bias = bias_tail;
-      }
-      const int64_t next = block + panel_blocks;
-      Panel p{nullptr, in_features, wp + block * block_bytes, panel_bias,
-              scale ? scale + block * kBlock : nullptr, nullptr, out_features, columns,
-              next < last ? wp + next * block_bytes : nullptr, 0, tiles};
-      for (int64_t row = 0; p.pass < tiles; ++p.pass) {
-        const int64_t height = (rows - row) / (tiles - p.pass);
-        p.x = xp + row * in_features;
-        p.y = yp + row * out_features + block * kBlock;
-        kernel.tile(height, panel_blocks)(p);
-        row += height;
-      }
+  const PanelRuns runs(blocks, grain, width);
+  // The panel at `block` of a run ending at `last`; `ahead`: the run's next panel is fetched
+  // while it computes.
+  auto compute = [&](int64_t block, int64_t last, bool ahead) {
+    const int64_t panel_blocks = std::min(width, last - block);
+    const int64_t columns = std::min(panel_blocks * kBlock, out_features - block * kBlock);
+    // The last panel's bias, padded with zeros, so a tile reads whole blocks everywhere.
+    alignas(64) float bias_tail[kMaxBlocks512 * kBlock] = {};
+    const float* panel_bias = bias ? bias + block * kBlock : nullptr;
+    if (bias && columns < panel_blocks * kBlock) {
+      std::memcpy(bias_tail, panel_bias, columns * sizeof(float));
+      panel_bias = bias_tail;
+    }
+    const int64_t next = block + panel_blocks;
+    Panel p{nullptr, in_features, wp + block * block_bytes, panel_bias,
+            scale ? scale + block * kBlock : nullptr, nullptr, out_features, columns,
+            ahead && next < last ? wp + next * block_bytes : nullptr, 0, tiles};
+    for (int64_t row = 0; p.pass < tiles; ++p.pass) {
+      const int64_t height = (rows - row) / (tiles - p.pass);
+      p.x = xp + row * in_features;
+      p.y = yp + row * out_features + block * kBlock;
+      kernel.tile(height, panel_blocks)(p);
+      row += height;
+    }
+  };
+  at::parallel_for(0, runs.count(), 1, [&](int64_t begin, int64_t end) {
+    int64_t block;
+    for (int64_t run = begin; run < end; ++run)
+      while (runs.take(run, /*front=*/true, block)) compute(block, runs.last(run), true);
+    for (int64_t i = 1; i < runs.count(); ++i) {  // then the others' last panels
+      const int64_t run = (end - 1 + i) % runs.count();
+      while (runs.take(run, /*front=*/false, block)) compute(block, runs.last(run), false);
     }
   });
   return y;
