@@ -69,6 +69,38 @@ def test_an_fp8_cache_matches_naive_attention_over_its_dequantized_values(
     torch.testing.assert_close(out[:n], expected, rtol=1e-5, atol=1e-5)
 
 
+def test_a_bucket_refilled_by_a_shorter_step_holds_padding_not_the_last_step():
+    """The buffers are written in place every step: whatever the last step left beyond this
+    one's real part is reset to the padding (0, and -1 for unused single-token slots)."""
+    import numpy as np
+
+    from neuron_serve.buckets import build_grid
+    from neuron_serve.model_runner.inputs import BucketBuffers, plan_step
+
+    grid = build_grid([32], [4], [4], max_num_seqs=4, query_tile=8)
+    block_table = np.array([[3, 5, 0, 0], [7, 1, 0, 0], [2, 4, 6, 0]])
+    token_ids = np.arange(3 * 64).reshape(3, 64) + 1
+
+    def plan(num_computed, num_scheduled):
+        n = len(num_scheduled)
+        return plan_step(token_ids[:n], num_computed, num_computed + num_scheduled,
+                         block_table[:n], num_scheduled, 16, grid)
+
+    (long_plan, long_arrays), (short_plan, short_arrays) = (
+        plan(np.array([20, 0, 33]), np.array([1, 9, 4])), plan(np.array([0]), np.array([5])))
+    assert long_plan.bucket == short_plan.bucket
+    buf = BucketBuffers(long_plan.bucket, torch.device("cpu"))
+    buf.fill(long_arrays)
+    buf.fill(short_arrays)
+    fresh = BucketBuffers(short_plan.bucket, torch.device("cpu"))
+    fresh.fill(short_arrays)
+    for name in BucketBuffers.NAMES:
+        assert torch.equal(getattr(buf, name), getattr(fresh, name)), name
+    for name in BucketBuffers.TILE_NAMES:
+        assert torch.equal(getattr(buf.tiles, name), getattr(fresh.tiles, name)), name
+    assert buf.input_ids.tolist() == [1, 2, 3, 4, 5] + [0] * 27  # request 0's chunk, padding
+
+
 @pytest.mark.parametrize("seq_lens,query_lens", TILED_CASES)
 @pytest.mark.parametrize("kv_dtype", FP8)
 @pytest.mark.parametrize("kernel_set", ["reference", pytest.param("cpu", marks=CPU_KERNELS),
