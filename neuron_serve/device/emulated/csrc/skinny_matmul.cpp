@@ -12,6 +12,7 @@
 // 8-bit weights (int8, or float8 e4m3) keep the same layout, one byte per weight, with a
 // scale per output column: a block's 16 weights are widened to floats as they are loaded,
 // and the sums are scaled once at the end. The memory reads a quarter of float32's bytes.
+// With many rows (a prefill) a panel is widened once into scratch for all its row tiles.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -326,6 +327,25 @@ struct Kernel {
   }
 };
 
+// An 8-bit panel read by this many row tiles or more is widened to floats once, not by
+// every tile: widening takes the ports the FMAs need, and a prefill's rows make them busy.
+constexpr int64_t kWidenFromTiles = 4;
+
+// `count` 8-bit weights (a whole number of blocks) as floats, in this thread's scratch.
+const float* widened_panel(Format format, const void* weights, int64_t count) {
+  thread_local std::vector<float> scratch;
+  scratch.resize(count);
+  float* out = scratch.data();
+  if (format == Format::kInt8) {
+    const auto* in = static_cast<const Int8::T*>(weights);
+    for (int64_t i = 0; i < count; i += 8) _mm256_storeu_ps(out + i, Int8::load8(in + i));
+  } else {
+    const auto* in = static_cast<const E4M3::T*>(weights);
+    for (int64_t i = 0; i < count; i += 8) _mm256_storeu_ps(out + i, E4M3::load8(in + i));
+  }
+  return out;
+}
+
 // A call's blocks as one run per thread, each a sequence of panels `width` blocks wide. Its
 // owner takes a run's panels front to back; a thread done with its own run takes the
 // others' from their back ends. On two cores a thread that starts late, or loses its core
@@ -438,6 +458,7 @@ at::Tensor skinny_matmul(const at::Tensor& x_in, const at::Tensor& weight_blocks
   // 5 + 4 panels. A task streams at least ~64 KB of weights so small layers skip the fork.
   const int64_t grain = std::max<int64_t>(1, 65536 / block_bytes);
   const PanelRuns runs(blocks, grain, width);
+  const bool widen = kernel.format != Format::kFloat32 && tiles >= kWidenFromTiles;
   // The panel at `block` of a run ending at `last`; `ahead`: the run's next panel is fetched
   // while it computes.
   auto compute = [&](int64_t block, int64_t last, bool ahead) {
@@ -454,11 +475,17 @@ at::Tensor skinny_matmul(const at::Tensor& x_in, const at::Tensor& weight_blocks
     Panel p{nullptr, in_features, wp + block * block_bytes, panel_bias,
             scale ? scale + block * kBlock : nullptr, nullptr, out_features, columns,
             ahead && next < last ? wp + next * block_bytes : nullptr, 0, tiles};
+    Kernel panel_kernel = kernel;
+    if (widen) {  // the tiles read the panel as floats from this thread's scratch
+      p.weight = widened_panel(kernel.format, p.weight, panel_blocks * in_features * kBlock);
+      p.next = nullptr;
+      panel_kernel.format = Format::kFloat32;
+    }
     for (int64_t row = 0; p.pass < tiles; ++p.pass) {
       const int64_t height = (rows - row) / (tiles - p.pass);
       p.x = xp + row * in_features;
       p.y = yp + row * out_features + block * kBlock;
-      kernel.tile(height, panel_blocks)(p);
+      panel_kernel.tile(height, panel_blocks)(p);
       row += height;
     }
   };
