@@ -5,7 +5,9 @@ at decode and prefill row counts, with a plain sum of as many bytes as the weigh
 memory's pace. The skinny kernel also runs INT8 and float8 e4m3 copies of the weights (a
 scale per output column, as quantized_linear.py stores them): a quarter of the bytes. A
 second table runs all of the model's layers in a decode step's order, each format: a
-shape's layers alone may fit a large L3 cache, a whole model's weights do not.
+shape's layers alone may fit a large L3 cache, a whole model's weights do not. A third
+table times one thread on a weight that stays in L2: how fast the kernel widens 8-bit
+weights when the memory is not the limit.
 
     .venv/bin/python benchmarks/linear_bench.py [--model smollm2-135m] [--out DIR]
         [--whole-model-only] [--avx2-only]
@@ -143,7 +145,42 @@ def whole_model(config, rows=(1, 2, 8)) -> list[dict]:
     return out
 
 
-def markdown(model: str, rows: list[dict], whole: list[dict]) -> str:
+def in_cache(in_features: int = 576, out_features: int = 1536) -> list[dict]:
+    """Weights a second that one thread multiplies at 1 row, each format, on a weight small
+    enough to stay in L2 (8-bit: 885 KB), with a call's fixed cost (a 64-output weight's
+    time) taken off: the kernel's own pace when the memory is not the limit. An 8-bit
+    format can stream at the memory's pace only where this is well above the memory's
+    share per thread."""
+    from neuron_serve.device.emulated import skinny_matmul
+    from neuron_serve.device.emulated.quantized_linear import quantize_rows
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    x = torch.randn(1, in_features)
+    out = []
+    try:
+        for fmt, dtype in (("fp32", None), ("int8", torch.int8), ("e4m3", torch.float8_e4m3fn)):
+            ms = {}
+            for n in (64, out_features):
+                weight = torch.randn(n, in_features) / in_features ** 0.5
+                if dtype is None:
+                    blocks, scale = skinny_matmul.pack_weight(weight), None
+                else:
+                    values, scale = quantize_rows(weight, dtype)
+                    blocks = skinny_matmul.pack_weight(values)
+                    scale = skinny_matmul.pack_scale(scale, dtype)
+                ms[n] = _median_ms(lambda: [skinny_matmul.skinny_matmul(x, blocks, None, n, scale)
+                                            for _ in range(200)], repeats=9) / 200
+            rate = (out_features - 64) * in_features / (ms[out_features] - ms[64]) / 1e6
+            out.append(dict(format=fmt, g_weights_per_s=rate, call_us=ms[64] * 1e3))
+            print(f"in cache {fmt:5s}: {rate:5.1f} G weights/s a thread", flush=True)
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def markdown(model: str, rows: list[dict], whole: list[dict],
+             cached: list[dict]) -> str:
     import hardware
 
     from neuron_serve.device.emulated import skinny_matmul
@@ -176,6 +213,12 @@ def markdown(model: str, rows: list[dict], whole: list[dict]) -> str:
               "| format | rows | MB | ms | GB/s | sum GB/s |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['format']} | {r['rows']} | {r['megabytes']:.0f} | {r['ms']:.2f} | "
               f"{r['megabytes'] / r['ms']:.1f} | {r['sum_gb_s']:.1f} |" for r in whole]
+    lines += ["", "One thread, 1 row, a 1536 × 576 weight in L2 (a call's fixed cost taken off): "
+              "the kernel's pace where the memory is not the limit. fp32's 3.5 MB may not fit "
+              "L2.", "", "| format | G weights/s a thread | fixed cost a call, µs |",
+              "|---|---|---|"]
+    lines += [f"| {r['format']} | {r['g_weights_per_s']:.1f} | {r['call_us']:.1f} |"
+              for r in cached]
     return "\n".join(lines) + "\n"
 
 
@@ -198,7 +241,8 @@ def main() -> None:
     isa = torch.ops.neuron_serve.skinny_matmul_isa(args.avx2_only)
     config = transformers.AutoConfig.from_pretrained(checkpoint(args.model))
     per_shape = [] if args.whole_model_only else run(config)
-    text = markdown(args.model, per_shape, whole_model(config)) + f"\nSkinny kernel tiles: {isa}.\n"
+    text = (markdown(args.model, per_shape, whole_model(config), in_cache())
+            + f"\nSkinny kernel tiles: {isa}.\n")
     suffix = args.name or torch.backends.cpu.get_cpu_capability().lower()
     out = Path(args.out) / f"linear_kernels-{args.model}-{suffix}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
