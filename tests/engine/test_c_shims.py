@@ -79,3 +79,17 @@ def test_decode_graph_options_pickle_alike_in_every_process():
     options = EmulatedDevice().graph_options(decode=True)
     assert options["aot_inductor.custom_ops_to_c_shims"]
     assert pickle.loads(pickle.dumps(options)) == options  # the ops by name
+
+
+def test_a_profiler_sees_the_c_entries_of_a_compiled_graph(inputs):
+    """The C entries skip the dispatcher, which is what a profiler records: they record
+    themselves, under the ops' names, so benchmarks/step_profile.py can split a step."""
+    args, _ = inputs
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False,
+                             options=EmulatedDevice().graph_options(decode=True))
+    compiled(*args)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        compiled(*args)
+    names = [event.name for event in prof.events()]
+    assert names.count("neuron_serve::skinny_matmul") == 1
+    assert names.count("neuron_serve::paged_attention") == 1

@@ -17,6 +17,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/record_function.h>
 #include <ATen/ops/zeros.h>
 #include <immintrin.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
@@ -806,12 +807,13 @@ TORCH_LIBRARY_IMPL(neuron_serve, CPU, m) {
 }
 
 // The decode op's C entry for inductor's C++ wrapper (see skinny_matmul's): no boxing
-// through the dispatcher on each layer's call.
+// through the dispatcher on each layer's call; recorded for a profiler as skinny_matmul's is.
 extern "C" AOTITorchError aoti_torch_cpu_paged_attention(
     AtenTensorHandle query, AtenTensorHandle kv_cache, AtenTensorHandle block_table,
     AtenTensorHandle token_req, AtenTensorHandle token_pos, double scale, int64_t sliding_window,
     double soft_cap, AtenTensorHandle* k_scale, AtenTensorHandle* v_scale, AtenTensorHandle* out) {
   using namespace torch::aot_inductor;
+  RECORD_FUNCTION("neuron_serve::paged_attention", c10::ArrayRef<const c10::IValue>{});
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
     *out = new_tensor_handle(paged_attention(
         *tensor_handle_to_tensor_pointer(query), *tensor_handle_to_tensor_pointer(kv_cache),

@@ -17,6 +17,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/record_function.h>
 #include <immintrin.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
@@ -513,11 +514,13 @@ TORCH_LIBRARY_IMPL(neuron_serve, CPU, m) { m.impl("skinny_matmul", &skinny_matmu
 
 // The op's C entry for inductor's C++ wrapper (aot_inductor.custom_ops_to_c_shims): a
 // compiled graph calls it directly instead of boxing its arguments through the dispatcher
-// on every one of a decode step's ~120 matmuls.
+// on every one of a decode step's ~120 matmuls. It records itself as the dispatcher would,
+// so a profiler (benchmarks/step_profile.py) still sees the matmuls of a compiled step.
 extern "C" AOTITorchError aoti_torch_cpu_skinny_matmul(
     AtenTensorHandle x, AtenTensorHandle weight_blocks, AtenTensorHandle* bias,
     int64_t out_features, AtenTensorHandle* scale, AtenTensorHandle* out) {
   using namespace torch::aot_inductor;
+  RECORD_FUNCTION("neuron_serve::skinny_matmul", c10::ArrayRef<const c10::IValue>{});
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
     *out = new_tensor_handle(skinny_matmul(
         *tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(weight_blocks),
