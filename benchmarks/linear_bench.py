@@ -238,7 +238,7 @@ def main() -> None:
 
     from neuron_serve.device.emulated import skinny_matmul
     skinny_matmul.load()
-    isa = torch.ops.neuron_serve.skinny_matmul_isa(args.avx2_only)
+    isa = torch.ops.neuron_serve.skinny_matmul_isa("avx2" if args.avx2_only else "avx512-vnni")
     config = transformers.AutoConfig.from_pretrained(checkpoint(args.model))
     per_shape = [] if args.whole_model_only else run(config)
     text = (markdown(args.model, per_shape, whole_model(config), in_cache())

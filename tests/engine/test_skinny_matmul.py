@@ -1,5 +1,6 @@
 """The decode matmul kernel (emulated backend, skinny_matmul.cpp) against `x @ W.T + b`:
-every row-tile height of its AVX2 and its AVX-512 tiles (with and without prefetching),
+every row-tile height of its AVX2 and its AVX-512 tiles (with and without prefetching), the
+VNNI tile of one row of INT8 weights and how close its integer sums come to float64,
 widths that are not a multiple of its 16-column blocks (200 outputs: two threads take 7 and
 6 blocks, each ending in a short panel), eager and compiled, and the errors it gives for
 weights that do not fit."""
@@ -23,14 +24,14 @@ def kernel():
     skinny_matmul.load()
 
 
-@pytest.fixture(params=["avx2", "avx512"])
+@pytest.fixture(params=["avx2", "avx512", "avx512-vnni"])
 def isa(request):
-    """Each set of tiles, whatever this CPU would pick: AVX-512 where it has it."""
-    avx2_only = request.param == "avx2"
-    if torch.ops.neuron_serve.skinny_matmul_isa(avx2_only) != request.param:
-        pytest.skip("this CPU has no AVX-512")
+    """Each set of tiles, whatever this CPU would pick: AVX-512 and VNNI where it has them."""
+    if torch.ops.neuron_serve.skinny_matmul_isa(request.param) != request.param:
+        torch.ops.neuron_serve.skinny_matmul_isa("avx512-vnni")
+        pytest.skip(f"this CPU has no {request.param}")
     yield request.param
-    torch.ops.neuron_serve.skinny_matmul_isa(False)
+    torch.ops.neuron_serve.skinny_matmul_isa("avx512-vnni")
 
 
 @pytest.mark.parametrize("out_features,in_features", [(96, 64), (200, 96), (37, 5), (17, 1)])
@@ -74,6 +75,55 @@ def test_8bit_weights_match_a_matmul_of_their_dequantized_values(rows, out_featu
     torch.testing.assert_close(
         skinny_matmul.skinny_matmul(x, blocks, None, out_features, packed_scale),
         x @ dequantized.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def vnni():
+    if torch.ops.neuron_serve.skinny_matmul_isa("avx512-vnni") != "avx512-vnni":
+        pytest.skip("this CPU has no AVX-512 VNNI")
+
+
+def int8_layer(out_features: int, in_features: int):
+    weight, scale = quantized(torch.randn(out_features, in_features), torch.int8)
+    return (weight, scale, skinny_matmul.pack_weight(weight),
+            skinny_matmul.pack_scale(scale, torch.int8))
+
+
+@pytest.mark.parametrize("out_features,in_features", [(200, 96), (1536, 576), (576, 1536)])
+def test_int8_at_one_row_rounds_only_x_to_31_bits(out_features, in_features, vnni):
+    """The VNNI tile's sums are exact: against float64, its error is x's fixed point (2^-31
+    of max|x| per value) and the float32 roundings of the result, within one float32
+    rounding of sum |x w| + |b|, a bound the float tiles' chains of FMAs exceed (checked
+    for these shapes). An outlier 10^4 times the rest, as in the activations of large
+    models, leaves the small values 2^-31 of it."""
+    torch.manual_seed(out_features)
+    weight, scale, blocks, packed_scale = int8_layer(out_features, in_features)
+    dequantized = weight.double() * scale.double()[:, None]
+    bias = torch.randn(out_features)
+    for x in (torch.randn(1, in_features), torch.randn(1, in_features) * 1e-3):
+        x[0, 7] = 10.0
+        expected = x.double() @ dequantized.T + bias.double()
+        out = skinny_matmul.skinny_matmul(x, blocks, bias, out_features, packed_scale)
+        eps = torch.finfo(torch.float32).eps
+        bound = (2.0 ** -31 * x.abs().max() * dequantized.abs().sum(1)
+                 + eps * (x.double().abs() @ dequantized.abs().T + bias.abs()))
+        assert ((out.double() - expected).abs() <= bound).all()
+
+
+def test_int8_at_one_row_of_zeros_or_not_finite_values(vnni):
+    """A row of zeros gives the bias; a NaN or an infinity reaches the outputs as a float
+    matmul would carry it (such a row runs on the float tiles)."""
+    weight, scale, blocks, packed_scale = int8_layer(48, 64)
+    bias = torch.randn(48)
+    zeros = torch.zeros(1, 64)
+    assert torch.equal(skinny_matmul.skinny_matmul(zeros, blocks, bias, 48, packed_scale),
+                       bias[None])
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(1, 64)
+        x[0, 3] = bad
+        expected = x @ (weight.float() * scale[:, None]).T + bias
+        out = skinny_matmul.skinny_matmul(x, blocks, bias, 48, packed_scale)
+        torch.testing.assert_close(out, expected, equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])

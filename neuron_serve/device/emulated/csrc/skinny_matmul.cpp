@@ -12,7 +12,8 @@
 // 8-bit weights (int8, or float8 e4m3) keep the same layout, one byte per weight, with a
 // scale per output column: a block's 16 weights are widened to floats as they are loaded,
 // and the sums are scaled once at the end. The memory reads a quarter of float32's bytes.
-// With many rows (a prefill) a panel is widened once into scratch for all its row tiles.
+// With many rows (a prefill) a panel is widened once into scratch for all its row tiles;
+// at one row, INT8 runs as integer dot products where the CPU has AVX-512 VNNI (tile_vnni).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -25,6 +26,7 @@
 #include "float8.h"
 
 #include <algorithm>
+#include <cmath>
 #include <array>
 #include <atomic>
 #include <string>
@@ -96,6 +98,8 @@ struct Panel {
   int64_t columns;      // valid output columns of the panel (its last block may be partial)
   const void* next;     // the next panel, fetched into L2 while this one computes, or null
   int64_t pass, passes; // this call is row tile `pass` of `passes` over the same panel
+  const uint32_t* digits = nullptr;  // int8 VNNI tile: x's fixed-point digits (XDigits)
+  double step = 0;                   // and the value of one unit of that fixed point
 };
 
 // acc * scale + bias of 8 columns (an unscaled tile started from the bias).
@@ -304,11 +308,173 @@ struct Tiles {
       tiles512<W>(std::make_integer_sequence<int, kMaxTileRows512>());
 };
 
+// INT8 weights at one row, on AVX-512 VNNI: integer dot products instead of widening.
+//
+// Widening each weight to a float takes two instructions beside its FMA, so at one row the
+// float tiles widen no faster than a few memory channels deliver bytes (on AMD Zen 4, which
+// runs 512-bit operations in two halves, one thread's pace is near its share of the
+// memory's). VPDPBUSD multiplies 64 bytes by 64 bytes and adds each group of 4 products
+// into a 32-bit sum: an integer copy of x does the work in 6 instructions per 64 weights
+// (a permute, 4 digit passes, a column sum), where widening takes 12.
+//
+// x is not rounded to 8 bits. Its row is written as fixed point (x / max|x| * 2^30, rounded:
+// at most 2^-31 max|x| away from x) in four unsigned bytes, offset by 2^31 so each byte is
+// unsigned as VPDPBUSD wants. Each byte is one VPDPBUSD pass over the weights, the sum of
+// each pass is exact in 32 bits (255 * 128 * K < 2^31 for K < 65536), and the passes add up
+// exactly in 64 bits; a fifth pass with x = 1 gives the column sums that take the offset
+// back out. So the only rounding before the scale is x's to 31 bits, and the result is
+// closer to x . w than a chain of float32 FMAs (tests/engine/test_skinny_matmul.py).
+constexpr int kDigits = 4;
+constexpr int64_t kMaxVnniIn = 65535;  // longer rows could overflow a 32-bit sum
+
+// 8 values of x as 32-bit unsigned fixed point: x * unit, rounded, offset by 2^31.
+__attribute__((target("avx512f,avx512dq"))) inline __m256i fixed8(const float* x, __m512d unit,
+                                                                 __m512i offset) {
+  const __m512d scaled = _mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(x)), unit);
+  return _mm512_cvtepi64_epi32(_mm512_add_epi64(_mm512_cvtpd_epi64(scaled), offset));
+}
+
+// x's row as the VNNI tile reads it: digit d of 4 consecutive k in one 32-bit word,
+// words[d * K / 4 + k / 4], and the value of the fixed point's unit.
+struct XDigits {
+  std::vector<uint32_t> words;
+  double step = 0;
+
+  // False where the tile cannot run (the float tiles do): a row that is not finite, or K
+  // not a multiple of 16.
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vbmi"))) bool make(
+      const float* x, int64_t in_features) {
+    if (in_features % 16 || in_features > kMaxVnniIn) return false;
+    __m512 top = _mm512_setzero_ps();
+    __mmask16 nan = 0;  // max drops a NaN
+    for (int64_t k = 0; k < in_features; k += 16) {
+      const __m512 v = _mm512_loadu_ps(x + k);
+      top = _mm512_max_ps(top, _mm512_abs_ps(v));
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    }
+    const float max_abs = _mm512_reduce_max_ps(top);
+    if (nan || !std::isfinite(max_abs)) return false;
+    step = max_abs > 0 ? max_abs / 1073741824.0 : 0;
+    const __m512d unit = _mm512_set1_pd(max_abs > 0 ? 1073741824.0 / max_abs : 0);  // 2^30/max
+    const __m512i offset = _mm512_set1_epi64(int64_t{1} << 31);
+    // Byte 16d + 4q + j of the permuted 16 words is byte d of word 4q + j: each 128-bit lane
+    // one digit of 4 quads.
+    alignas(64) static constexpr uint8_t kDigitMajor[64] = {
+        0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60,
+        1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61,
+        2, 6, 10, 14, 18, 22, 26, 30, 34, 38, 42, 46, 50, 54, 58, 62,
+        3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47, 51, 55, 59, 63};
+    const __m512i digit_major = _mm512_load_si512(kDigitMajor);
+    const int64_t quads = in_features / 4;
+    words.resize(kDigits * quads);
+    for (int64_t k = 0; k < in_features; k += 16) {
+      const __m512i fixed = _mm512_inserti64x4(
+          _mm512_castsi256_si512(fixed8(x + k, unit, offset)), fixed8(x + k + 8, unit, offset), 1);
+      const __m512i digits = _mm512_permutexvar_epi8(digit_major, fixed);
+      uint32_t* out = words.data() + k / 4;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_extracti32x4_epi32(digits, 0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + quads), _mm512_extracti32x4_epi32(digits, 1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 2 * quads),
+                       _mm512_extracti32x4_epi32(digits, 2));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 3 * quads),
+                       _mm512_extracti32x4_epi32(digits, 3));
+    }
+    return true;
+  }
+};
+
+// Half `h` of 16 32-bit sums as 8 64-bit ones.
+__attribute__((target("avx512f"))) inline __m512i widen_half(__m512i v, int h) {
+  return _mm512_cvtepi32_epi64(h ? _mm512_extracti64x4_epi64(v, 1) : _mm512_castsi512_si256(v));
+}
+
+// y[0, :] of one row for `Blocks` blocks from block `first` of the panel (see above). Two
+// blocks at a time keep the sums in registers: 10 of them, where a panel's 4 blocks spilled.
+template <int Blocks>
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni,avx512vbmi"))) void vnni_blocks(
+    const Panel& p, int first) {
+  const int64_t stride = p.in_features * kBlock;
+  const int8_t* weight = static_cast<const int8_t*>(p.weight) + first * stride;
+  // Two blocks fetched into L2 alongside, as tile512 fetches the next panel: the panel's
+  // next two blocks, or after its last ones the next panel's first two.
+  const int panel_blocks = static_cast<int>((p.columns + kBlock - 1) / kBlock);
+  const char* next = first + 2 < panel_blocks
+                         ? reinterpret_cast<const char*>(weight + 2 * stride)
+                         : static_cast<const char*>(p.next);
+  const int64_t quads = p.in_features / 4;
+  // A block's cache line holds 4 rows of k of 16 columns; VPDPBUSD wants each column's 4
+  // bytes together: byte 4c + j of the permuted line is column c of row j.
+  alignas(64) static constexpr uint8_t kTranspose[64] = {
+      0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51,
+      4, 20, 36, 52, 5, 21, 37, 53, 6, 22, 38, 54, 7, 23, 39, 55,
+      8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,
+      12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};
+  const __m512i transpose = _mm512_load_si512(kTranspose);
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512i acc[Blocks][kDigits], sums[Blocks];
+#pragma GCC unroll 2
+  for (int b = 0; b < Blocks; ++b) {
+    sums[b] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int d = 0; d < kDigits; ++d) acc[b][d] = _mm512_setzero_si512();
+  }
+  for (int64_t q = 0; q < quads; ++q) {
+    __m512i w[Blocks];
+#pragma GCC unroll 2
+    for (int b = 0; b < Blocks; ++b) {
+      const int8_t* line = weight + b * stride + q * 64;
+      _mm_prefetch(reinterpret_cast<const char*>(line) + kPrefetchBytes, _MM_HINT_T0);
+      if (next) _mm_prefetch(next + b * stride + q * 64, _MM_HINT_T1);
+      w[b] = _mm512_permutexvar_epi8(transpose, _mm512_loadu_si512(line));
+      sums[b] = _mm512_dpbusd_epi32(sums[b], ones, w[b]);
+    }
+#pragma GCC unroll 4
+    for (int d = 0; d < kDigits; ++d) {
+      const __m512i digit = _mm512_set1_epi32(static_cast<int>(p.digits[d * quads + q]));
+#pragma GCC unroll 2
+      for (int b = 0; b < Blocks; ++b) acc[b][d] = _mm512_dpbusd_epi32(acc[b][d], digit, w[b]);
+    }
+  }
+  const __m512d step = _mm512_set1_pd(p.step);
+#pragma GCC unroll 2
+  for (int b = 0; b < Blocks; ++b) {
+    const int64_t column = (first + b) * kBlock;
+    // sum_d 2^(8d) acc[d] - 2^31 sums, 8 columns at a time in 64 bits, then scaled.
+    __m256 half[2];
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      __m512i total = _mm512_slli_epi64(widen_half(sums[b], h), 31);
+      total = _mm512_sub_epi64(widen_half(acc[b][0], h), total);
+#pragma GCC unroll 3
+      for (int d = 1; d < kDigits; ++d)
+        total = _mm512_add_epi64(total, _mm512_slli_epi64(widen_half(acc[b][d], h), 8 * d));
+      half[h] = _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_cvtepi64_pd(total), step));
+    }
+    __m512 out = _mm512_insertf32x8(_mm512_castps256_ps512(half[0]), half[1], 1);
+    const __m512 bias = p.bias ? _mm512_loadu_ps(p.bias + column) : _mm512_setzero_ps();
+    out = _mm512_fmadd_ps(out, _mm512_loadu_ps(p.scale + column), bias);
+    const int64_t valid = std::clamp<int64_t>(p.columns - column, 0, kBlock);
+    _mm512_mask_storeu_ps(p.y + column, valid == kBlock ? 0xFFFF : (1u << valid) - 1, out);
+  }
+}
+
+template <int Blocks>
+void tile_vnni(const Panel& p) {
+  if constexpr (Blocks >= 2) vnni_blocks<2>(p, 0);
+  if constexpr (Blocks == 4) vnni_blocks<2>(p, 2);
+  if constexpr (Blocks % 2) vnni_blocks<1>(p, Blocks - 1);
+}
+
+constexpr TileFn kVnniTiles[kMaxBlocks512 + 1] = {nullptr, tile_vnni<1>, tile_vnni<2>,
+                                                  tile_vnni<3>, tile_vnni<4>};
+
 enum class Format { kFloat32, kInt8, kE4M3 };
 
-// The tiles a call runs: AVX-512's (panels of 3-4 blocks) or AVX2's (one block).
+// The tiles a call runs: AVX-512's (panels of 3-4 blocks) or AVX2's (one block), and at one
+// row of INT8 weights the VNNI tile where the CPU has it.
 struct Kernel {
   bool avx512;
+  bool vnni;
   Format format = Format::kFloat32;
 
   int64_t max_tile_rows() const { return avx512 ? kMaxTileRows512 : kMaxTileRows; }
@@ -389,19 +555,28 @@ class PanelRuns {
   mutable std::vector<Ends> ends_;
 };
 
-// Tests set this to run the AVX2 tiles on a CPU with AVX-512 too.
-std::atomic<bool> avx2_only{false};
+// The most the kernel may use: 0 AVX2, 1 AVX-512, 2 AVX-512 VNNI. Tests and benchmarks lower
+// it to run a CPU's other tiles too.
+std::atomic<int> isa_limit{2};
 
 Kernel pick_kernel() {
   static const bool avx512 =
       __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-  return {avx512 && !avx2_only};
+  static const bool vnni = avx512 && __builtin_cpu_supports("avx512dq") &&
+                           __builtin_cpu_supports("avx512vnni") &&
+                           __builtin_cpu_supports("avx512vbmi");
+  return {avx512 && isa_limit >= 1, vnni && isa_limit >= 2};
 }
 
-// Which tiles run: "avx512" or "avx2"; `avx2_only` restricts them to AVX2.
-std::string skinny_matmul_isa(bool avx2_only_) {
-  avx2_only = avx2_only_;
-  return pick_kernel().avx512 ? "avx512" : "avx2";
+// Which tiles run, at most `limit` ("avx2", "avx512" or "avx512-vnni"): the one this CPU has.
+std::string skinny_matmul_isa(const std::string& limit) {
+  static const std::array<std::string, 3> names = {"avx2", "avx512", "avx512-vnni"};
+  const auto named = std::find(names.begin(), names.end(), limit);
+  TORCH_CHECK(named != names.end(), "skinny_matmul_isa: unknown ISA ", limit,
+              " (avx2, avx512 or avx512-vnni)");
+  isa_limit = static_cast<int>(named - names.begin());
+  const Kernel kernel = pick_kernel();
+  return names[kernel.vnni ? 2 : kernel.avx512 ? 1 : 0];
 }
 
 // weight_blocks: [ceil(N / 16), K, 16], zero beyond column N (pack_weight in Python):
@@ -460,6 +635,11 @@ at::Tensor skinny_matmul(const at::Tensor& x_in, const at::Tensor& weight_blocks
   const int64_t grain = std::max<int64_t>(1, 65536 / block_bytes);
   const PanelRuns runs(blocks, grain, width);
   const bool widen = kernel.format != Format::kFloat32 && tiles >= kWidenFromTiles;
+  thread_local XDigits digits;  // this (the calling) thread's; the tiles get its pointer
+  const bool vnni = kernel.vnni && kernel.format == Format::kInt8 && rows == 1 &&
+                    digits.make(xp, in_features);
+  const uint32_t* digit_words = digits.words.data();
+  const double digit_step = digits.step;
   // The panel at `block` of a run ending at `last`; `ahead`: the run's next panel is fetched
   // while it computes.
   auto compute = [&](int64_t block, int64_t last, bool ahead) {
@@ -481,6 +661,11 @@ at::Tensor skinny_matmul(const at::Tensor& x_in, const at::Tensor& weight_blocks
       p.weight = widened_panel(kernel.format, p.weight, panel_blocks * in_features * kBlock);
       p.next = nullptr;
       panel_kernel.format = Format::kFloat32;
+    }
+    if (vnni) {
+      p.x = xp, p.y = yp + block * kBlock;
+      p.digits = digit_words, p.step = digit_step;
+      return kVnniTiles[panel_blocks](p);
     }
     for (int64_t row = 0; p.pass < tiles; ++p.pass) {
       const int64_t height = (rows - row) / (tiles - p.pass);
@@ -507,7 +692,7 @@ at::Tensor skinny_matmul(const at::Tensor& x_in, const at::Tensor& weight_blocks
 TORCH_LIBRARY_FRAGMENT(neuron_serve, m) {
   m.def("skinny_matmul(Tensor x, Tensor weight_blocks, Tensor? bias, int out_features, "
         "Tensor? scale=None) -> Tensor");
-  m.def("skinny_matmul_isa(bool avx2_only) -> str", &skinny_matmul_isa);
+  m.def("skinny_matmul_isa(str limit) -> str", &skinny_matmul_isa);
 }
 
 TORCH_LIBRARY_IMPL(neuron_serve, CPU, m) { m.impl("skinny_matmul", &skinny_matmul); }
