@@ -327,6 +327,14 @@ struct Tiles {
 constexpr int kDigits = 4;
 constexpr int64_t kMaxVnniIn = 65535;  // longer rows could overflow a 32-bit sum
 
+// VPERMB indices that transpose 64 bytes held as `rows` rows: byte c * rows + r of the
+// result is byte r * (64 / rows) + c of the source.
+constexpr std::array<uint8_t, 64> byte_transpose(int rows) {
+  std::array<uint8_t, 64> index{};
+  for (int i = 0; i < 64; ++i) index[i] = static_cast<uint8_t>(i % rows * (64 / rows) + i / rows);
+  return index;
+}
+
 // 8 values of x as 32-bit unsigned fixed point: x * unit, rounded, offset by 2^31.
 __attribute__((target("avx512f,avx512dq"))) inline __m256i fixed8(const float* x, __m512d unit,
                                                                  __m512i offset) {
@@ -357,14 +365,9 @@ struct XDigits {
     step = max_abs > 0 ? max_abs / 1073741824.0 : 0;
     const __m512d unit = _mm512_set1_pd(max_abs > 0 ? 1073741824.0 / max_abs : 0);  // 2^30/max
     const __m512i offset = _mm512_set1_epi64(int64_t{1} << 31);
-    // Byte 16d + 4q + j of the permuted 16 words is byte d of word 4q + j: each 128-bit lane
-    // one digit of 4 quads.
-    alignas(64) static constexpr uint8_t kDigitMajor[64] = {
-        0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60,
-        1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61,
-        2, 6, 10, 14, 18, 22, 26, 30, 34, 38, 42, 46, 50, 54, 58, 62,
-        3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47, 51, 55, 59, 63};
-    const __m512i digit_major = _mm512_load_si512(kDigitMajor);
+    // 16 words of 4 bytes to 4 lanes of 16: each 128-bit lane one digit of 4 quads.
+    alignas(64) static constexpr auto kDigitMajor = byte_transpose(16);
+    const __m512i digit_major = _mm512_load_si512(kDigitMajor.data());
     const int64_t quads = in_features / 4;
     words.resize(kDigits * quads);
     for (int64_t k = 0; k < in_features; k += 16) {
@@ -403,13 +406,9 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni,avx512vbmi"))) void 
                          : static_cast<const char*>(p.next);
   const int64_t quads = p.in_features / 4;
   // A block's cache line holds 4 rows of k of 16 columns; VPDPBUSD wants each column's 4
-  // bytes together: byte 4c + j of the permuted line is column c of row j.
-  alignas(64) static constexpr uint8_t kTranspose[64] = {
-      0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51,
-      4, 20, 36, 52, 5, 21, 37, 53, 6, 22, 38, 54, 7, 23, 39, 55,
-      8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,
-      12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};
-  const __m512i transpose = _mm512_load_si512(kTranspose);
+  // bytes together.
+  alignas(64) static constexpr auto kTranspose = byte_transpose(4);
+  const __m512i transpose = _mm512_load_si512(kTranspose.data());
   const __m512i ones = _mm512_set1_epi8(1);
   __m512i acc[Blocks][kDigits], sums[Blocks];
 #pragma GCC unroll 2
