@@ -17,16 +17,12 @@ accounting, else when the pages are written; it derives from the host's memory.
 
 from __future__ import annotations
 
-import contextlib
-import mmap
-
 import torch
+
+from neuron_serve.device.emulated import huge_pages
 
 
 def zeros(nbytes: int) -> torch.Tensor:
     """`nbytes` zero bytes (int8) on anonymous memory advised to use huge pages; plain pages
     where the kernel has no THP. Pages stay unbacked until written."""
-    region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(AttributeError, OSError):  # no MADV_HUGEPAGE here
-        region.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(region, dtype=torch.int8, count=nbytes)  # keeps region alive
+    return torch.frombuffer(huge_pages.mapping(nbytes), dtype=torch.int8, count=nbytes)

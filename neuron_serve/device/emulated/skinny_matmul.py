@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from neuron_serve.device.emulated import extension
+from neuron_serve.device.emulated import extension, huge_pages
 
 # Steps of up to this many rows run on the kernel, by torch's CPU capability (see above).
 _MAX_ROWS = {"AVX2": 64, "AVX512": 128}
@@ -50,12 +50,13 @@ def _register_fake() -> None:
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> [ceil(N / 16), K, 16]: column blocks the kernel streams front to back
-    (float32, int8 or float8_e4m3fn)."""
+    (float32, int8 or float8_e4m3fn), in huge pages (huge_pages.py)."""
     out_features, in_features = weight.shape
     blocks = -(-out_features // _BLOCK)
     padded = weight.new_zeros(blocks * _BLOCK, in_features)
     padded[:out_features] = weight
-    return padded.view(blocks, _BLOCK, in_features).transpose(1, 2).contiguous()
+    out = huge_pages.empty((blocks, in_features, _BLOCK), weight.dtype)
+    return out.copy_(padded.view(blocks, _BLOCK, in_features).transpose(1, 2))
 
 
 def pack_scale(scale: torch.Tensor, weight_dtype: torch.dtype) -> torch.Tensor:

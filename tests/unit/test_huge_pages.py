@@ -1,5 +1,7 @@
-"""The emulated KV cache on huge pages (device/emulated/kv_memory.py): zeroed, writable memory that lives as
-long as its tensor, and only vLLM's KV-cache allocation is redirected to it."""
+"""Huge-page memory of the emulated backend: the KV cache (device/emulated/kv_memory.py),
+zeroed, writable memory that lives as long as its tensor, and only vLLM's KV-cache
+allocation redirected to it; the decode kernel's packed weights (huge_pages.py), carved out
+of shared mappings without aliasing each other."""
 
 import gc
 from pathlib import Path
@@ -7,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from neuron_serve.device.emulated import kv_memory, setup
+from neuron_serve.device.emulated import huge_pages, kv_memory, setup, skinny_matmul
 
 pytestmark = pytest.mark.emulated
 
@@ -59,3 +61,33 @@ def test_only_the_kv_cache_allocation_is_redirected():
     assert not kv.any() and kv.shape == (1 << 20,)
     assert not kv.untyped_storage().resizable()  # ours: a fixed mapping, not torch's allocator
     assert other.untyped_storage().resizable() and ints.untyped_storage().resizable()
+
+
+def test_arena_tensors_are_aligned_apart_and_outlive_their_chunk():
+    arena = huge_pages.HugePageArena(chunk_bytes=4 << 20)
+    shapes = [((3, 100, 16), torch.float32), ((5, 7), torch.int8),
+              ((2, 9, 16), torch.float8_e4m3fn), ((300, 1024), torch.float32),  # a new chunk
+              (((4 << 20) + 1,), torch.int8)]  # larger than a chunk: a mapping of its own
+    tensors = [arena.empty(shape, dtype) for shape, dtype in shapes]
+    for i, (t, (shape, dtype)) in enumerate(zip(tensors, shapes)):
+        assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+        assert t.data_ptr() % 64 == 0
+        t.view(torch.uint8).fill_(i + 1)
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    # Tensors sharing a storage would be aliases of each other to dynamo.
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == len(tensors)
+    del arena
+    gc.collect()  # the chunks are referenced by their tensors alone
+    for i, t in enumerate(tensors):
+        assert (t.view(torch.uint8) == i + 1).all()
+    none = huge_pages.HugePageArena().empty((0, 16), torch.float32)
+    assert none.shape == (0, 16) and none.untyped_storage().resizable()  # torch's own
+
+
+def test_packed_weights_are_on_huge_pages():
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    if "[never]" in mode:
+        pytest.skip("transparent huge pages are off on this machine")
+    blocks = skinny_matmul.pack_weight(torch.ones(4096, 1024))  # 16 MB of float32 blocks
+    assert _smaps_kb(blocks.data_ptr(), "AnonHugePages:") >= 2048
