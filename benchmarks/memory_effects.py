@@ -13,8 +13,8 @@ L3 of the machines we run on. Three measurements, each taking turns with its bas
   (`MADV_HUGEPAGE`): what page walks cost a stream.
 * The step's INT8 matmuls in order (our kernel, one row, VNNI and float tiles) with the
   weights as `pack_weight` keeps them (huge pages, device/emulated/huge_pages.py) and
-  copied into plain 4 KB pages. Called from Python: each call
-  also pays the op's Python overhead (a few µs).
+  copied into plain 4 KB pages. Called from Python: each call also pays the op's Python
+  overhead (a few µs).
 
 Prints a table; nothing is written.
 """
@@ -88,7 +88,7 @@ def main() -> None:
         small_layers.append((blocks.clone(), n, scale))
     nbytes = sum(w.numel() for w, *_ in small_layers)
     small_pages = torch.ones(nbytes // 4)
-    huge_pages = huge_page_buffer(nbytes // 4 * 4).view(torch.float32).fill_(1.0)
+    huge_read = huge_page_buffer(nbytes // 4 * 4).view(torch.float32).fill_(1.0)
     xs = {w.shape[1]: torch.randn(1, w.shape[1]) for w, *_ in small_layers}
 
     def step(weights):
@@ -96,7 +96,7 @@ def main() -> None:
                         for w, n, s in weights]
 
     arms = {"plain read, 4 KB pages": lambda: small_pages.sum(),
-            "plain read, 2 MB pages": lambda: huge_pages.sum()}
+            "plain read, 2 MB pages": lambda: huge_read.sum()}
     for isa in ("avx512-vnni", "avx512", "avx2"):
         arms[f"{isa} matmuls, 4 KB pages"] = (isa, step(small_layers))
         arms[f"{isa} matmuls, 2 MB pages"] = (isa, step(huge_layers))

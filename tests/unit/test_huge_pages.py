@@ -66,9 +66,10 @@ def test_only_the_kv_cache_allocation_is_redirected():
 def test_arena_tensors_are_aligned_apart_and_outlive_their_chunk():
     arena = huge_pages.HugePageArena(chunk_bytes=4 << 20)
     shapes = [((3, 100, 16), torch.float32), ((5, 7), torch.int8),
-              ((2, 9, 16), torch.float8_e4m3fn), ((300, 1024), torch.float32),  # a new chunk
+              ((2, 9, 16), torch.float8_e4m3fn), ((1020, 1024), torch.float32),  # a new chunk
               (((4 << 20) + 1,), torch.int8)]  # larger than a chunk: a mapping of its own
     tensors = [arena.empty(shape, dtype) for shape, dtype in shapes]
+    assert tensors[3].data_ptr() - tensors[0].data_ptr() not in range(4 << 20)
     for i, (t, (shape, dtype)) in enumerate(zip(tensors, shapes)):
         assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
         assert t.data_ptr() % 64 == 0
