@@ -71,7 +71,7 @@ def _read_buffer() -> torch.Tensor:
     machine does is a read of huge pages. Made once: on some VMs mapping it takes seconds."""
     from neuron_serve.device.emulated import huge_pages
 
-    return huge_pages.HugePageArena(512 << 20).empty((128 << 20,), torch.float32).fill_(1.0)
+    return torch.frombuffer(huge_pages.mapping(512 << 20), dtype=torch.float32).fill_(1.0)
 
 
 def measure(read_repeats: int = 60, gemm_repeats: int = 15) -> Machine:

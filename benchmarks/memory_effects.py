@@ -37,13 +37,6 @@ from linear_bench import _median_ms, weight_shapes  # noqa: E402
 from shapes import checkpoint  # noqa: E402
 
 
-def huge_page_buffer(nbytes: int) -> torch.Tensor:
-    """`nbytes` of int8 in huge pages, as the kernel's packed weights are."""
-    from neuron_serve.device.emulated import huge_pages
-
-    return huge_pages.HugePageArena(nbytes).empty((nbytes,), torch.int8)
-
-
 def host_after_stream(stream: torch.Tensor, repeats: int) -> tuple[float, float]:
     """plan_step µs, hot and right after reading `stream` (medians)."""
     from neuron_serve.buckets import Bucket
@@ -72,7 +65,7 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoConfig
 
-    from neuron_serve.device.emulated import skinny_matmul
+    from neuron_serve.device.emulated import huge_pages, skinny_matmul
     from neuron_serve.device.emulated.quantized_linear import quantize_rows
 
     skinny_matmul.load()
@@ -88,7 +81,7 @@ def main() -> None:
         small_layers.append((blocks.clone(), n, scale))
     nbytes = sum(w.numel() for w, *_ in small_layers)
     small_pages = torch.ones(nbytes // 4)
-    huge_read = huge_page_buffer(nbytes // 4 * 4).view(torch.float32).fill_(1.0)
+    huge_read = torch.frombuffer(huge_pages.mapping(nbytes // 4 * 4), dtype=torch.float32).fill_(1.0)
     xs = {w.shape[1]: torch.randn(1, w.shape[1]) for w, *_ in small_layers}
 
     def step(weights):

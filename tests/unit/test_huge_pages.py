@@ -82,6 +82,12 @@ def test_arena_tensors_are_aligned_apart_and_outlive_their_chunk():
     gc.collect()  # the chunks are referenced by their tensors alone
     for i, t in enumerate(tensors):
         assert (t.view(torch.uint8) == i + 1).all()
+    arena = huge_pages.HugePageArena(chunk_bytes=4 << 20)
+    only = arena.empty((16,), torch.int8)
+    assert arena._chunk() is not None
+    del only
+    gc.collect()  # the chunk goes with its last tensor, not kept mapped for a next model
+    assert arena._chunk() is None
     none = huge_pages.HugePageArena().empty((0, 16), torch.float32)
     assert none.shape == (0, 16) and none.untyped_storage().resizable()  # torch's own
 

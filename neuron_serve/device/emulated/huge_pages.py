@@ -6,17 +6,18 @@ as the weights do. In 2 MB pages the same stream reads faster (measured:
 benchmarks/memory_effects.py, benchmarks/README.md "Design measurements").
 
 Linux gives huge pages to anonymous mappings advised with MADV_HUGEPAGE, whole 2 MB
-extents only, so the packed weights are carved out of shared chunks of a few dozen MB
-rather than mapped one small layer at a time. A chunk lives as long as a tensor in it; the
-arena keeps only the chunk it is filling. Where the kernel has no huge pages to give (THP
-off, another OS), the mapping is plain memory and nothing else changes. The KV cache maps
-its own (kv_memory.py).
+extents only, so the packed weights are carved out of shared chunks of 64 MB rather than
+mapped one small layer at a time. A chunk lives as long as a tensor in it. Where the kernel
+has no huge pages to give (THP off, another OS), the mapping is plain memory and nothing
+else changes. The KV cache maps its own (kv_memory.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import mmap
+import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -30,7 +31,9 @@ class HugePageArena:
 
     def __init__(self, chunk_bytes: int = _CHUNK_BYTES):
         self.chunk_bytes = chunk_bytes
-        self._chunk: mmap.mmap | None = None  # the mapping being filled
+        # The mapping being filled, held weakly: once its tensors are gone it is unmapped,
+        # not kept resident for the next model.
+        self._chunk: Callable[[], mmap.mmap | None] = lambda: None
         self._used = 0
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -42,9 +45,11 @@ class HugePageArena:
         if nbytes > self.chunk_bytes:
             area, start = mapping(nbytes), 0
         else:
-            if self._chunk is None or self._used + nbytes > self.chunk_bytes:
-                self._chunk, self._used = mapping(self.chunk_bytes), 0
-            area, start = self._chunk, self._used
+            area = self._chunk()
+            if area is None or self._used + nbytes > self.chunk_bytes:
+                area, self._used = mapping(self.chunk_bytes), 0
+                self._chunk = weakref.ref(area)
+            start = self._used
             self._used = -(-(start + nbytes) // _ALIGN) * _ALIGN
         # The tensor's storage holds the mapping (a buffer export) for as long as it lives.
         raw = torch.frombuffer(area, dtype=torch.uint8, count=nbytes, offset=start)
