@@ -110,6 +110,30 @@ def test_int8_at_one_row_rounds_only_x_to_31_bits(out_features, in_features, vnn
         assert ((out.double() - expected).abs() <= bound).all()
 
 
+def test_int8_at_one_row_of_the_longest_vnni_row_at_its_extremes(vnni):
+    """At the longest row the VNNI tile takes (K = 65,520), with every weight at -128 or
+    127 and every value of x next to +max|x| (fixed-point bytes of 255 in the middle: a
+    pass within 0.5 % of a 32-bit sum's range) or next to -max|x| (the signed top byte at
+    its lowest), the sums stay exact: the error is x's 31-bit rounding and the result's
+    float32 rounding."""
+    in_features, out_features = 65520, 32
+    weight = torch.where(torch.arange(out_features)[:, None] % 2 == 0, 127, -128)
+    weight = weight.expand(out_features, in_features).to(torch.int8).clone()
+    weight[1::4, ::3] = 127  # columns of mixed signs too
+    scale = torch.full((out_features,), 1e-3)
+    blocks, packed_scale = skinny_matmul.pack_weight(weight), skinny_matmul.pack_scale(scale, torch.int8)
+    dequantized = weight.double() * scale.double()[:, None]
+    below_max = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)).item()
+    for sign in (1.0, -1.0):
+        x = torch.full((1, in_features), sign * below_max)
+        x[0, 0] = sign
+        out = skinny_matmul.skinny_matmul(x, blocks, None, out_features, packed_scale)
+        expected = x.double() @ dequantized.T
+        eps = torch.finfo(torch.float32).eps
+        bound = 2.0 ** -31 * dequantized.abs().sum(1) + eps * (x.double().abs() @ dequantized.abs().T)
+        assert ((out.double() - expected).abs() <= bound).all()
+
+
 def test_int8_at_one_row_of_zeros_or_not_finite_values(vnni):
     """A row of zeros gives the bias; a NaN or an infinity reaches the outputs as a float
     matmul would carry it (such a row runs on the float tiles)."""

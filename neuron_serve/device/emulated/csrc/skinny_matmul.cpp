@@ -100,6 +100,7 @@ struct Panel {
   int64_t pass, passes; // this call is row tile `pass` of `passes` over the same panel
   const uint32_t* digits = nullptr;  // int8 VNNI tile: x's fixed-point digits (XDigits)
   double step = 0;                   // and the value of one unit of that fixed point
+  int64_t top_bias = 0;              // and what its top digit's pass adds to each column
 };
 
 // acc * scale + bias of 8 columns (an unscaled tile started from the bias).
@@ -313,19 +314,28 @@ struct Tiles {
 // Widening each weight to a float takes two instructions beside its FMA, so at one row the
 // float tiles widen no faster than a few memory channels deliver bytes (on AMD Zen 4, which
 // runs 512-bit operations in two halves, one thread's pace is near its share of the
-// memory's). VPDPBUSD multiplies 64 bytes by 64 bytes and adds each group of 4 products
-// into a 32-bit sum: an integer copy of x does the work in 6 instructions per 64 weights
-// (a permute, 4 digit passes, a column sum), where widening takes 12.
+// memory's). VPDPBUSD multiplies 64 unsigned bytes by 64 signed ones and adds each group of
+// 4 products into a 32-bit sum: an integer copy of x does the work in 6 instructions per 64
+// weights (a permute, an XOR, 4 digit passes), where widening takes 12.
 //
-// x is not rounded to 8 bits. Its row is written as fixed point (x / max|x| * 2^30, rounded:
-// at most 2^-31 max|x| away from x) in four unsigned bytes, offset by 2^31 so each byte is
-// unsigned as VPDPBUSD wants. Each byte is one VPDPBUSD pass over the weights, the sum of
-// each pass is exact in 32 bits (255 * 128 * K < 2^31 for K < 65536), and the passes add up
-// exactly in 64 bits; a fifth pass with x = 1 gives the column sums that take the offset
-// back out. So the only rounding before the scale is x's to 31 bits, and the result is
-// closer to x . w than a chain of float32 FMAs (tests/engine/test_skinny_matmul.py).
+// x is not rounded to 8 bits. Its row is written as 32-bit signed fixed point (x / max|x| *
+// 2^30, rounded: at most 2^-31 max|x| away from x), whose four bytes are one VPDPBUSD pass
+// over the weights each. The three low bytes are unsigned, as VPDPBUSD wants of its first
+// operand; the top byte is signed, so its pass swaps the operands and reads each weight
+// plus 128 (the XOR) as the unsigned one, which adds 128 * (the top bytes' sum) to every
+// column, taken back out at the end. Each pass's sum is exact in 32 bits (255 * 128 * K <
+// 2^31 for K < 65536), and the passes add up exactly in 64 bits. So the only rounding
+// before the scale is x's to 31 bits, and the result is closer to x . w than a chain of
+// float32 FMAs (tests/engine/test_skinny_matmul.py). A fifth pass for the weights' column
+// sums, which an unsigned top byte (x offset by 2^31) needed instead, cost 13-19 % more
+// time on weights in cache (benchmarks/README.md, "Design measurements").
 constexpr int kDigits = 4;
 constexpr int64_t kMaxVnniIn = 65535;  // longer rows could overflow a 32-bit sum
+// Besides the next blocks (as tile512), each line 16 KB ahead is fetched into L2 too: from
+// memory the step's matmuls ran 4-11 % faster so (benchmarks/README.md). Near a panel's end
+// those lines are the blocks that follow it, near a call's end whatever memory follows the
+// weight (often the next layer's; a prefetch never faults).
+constexpr int64_t kVnniL2Ahead = 16384;
 
 // VPERMB indices that transpose 64 bytes held as `rows` rows: byte c * rows + r of the
 // result is byte r * (64 / rows) + c of the source.
@@ -335,11 +345,10 @@ constexpr std::array<uint8_t, 64> byte_transpose(int rows) {
   return index;
 }
 
-// 8 values of x as 32-bit unsigned fixed point: x * unit, rounded, offset by 2^31.
-__attribute__((target("avx512f,avx512dq"))) inline __m256i fixed8(const float* x, __m512d unit,
-                                                                 __m512i offset) {
+// 8 values of x as 32-bit signed fixed point: x * unit, rounded.
+__attribute__((target("avx512f,avx512dq"))) inline __m256i fixed8(const float* x, __m512d unit) {
   const __m512d scaled = _mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(x)), unit);
-  return _mm512_cvtepi64_epi32(_mm512_add_epi64(_mm512_cvtpd_epi64(scaled), offset));
+  return _mm512_cvtepi64_epi32(_mm512_cvtpd_epi64(scaled));
 }
 
 // x's row as the VNNI tile reads it: digit d of 4 consecutive k in one 32-bit word,
@@ -347,6 +356,7 @@ __attribute__((target("avx512f,avx512dq"))) inline __m256i fixed8(const float* x
 struct XDigits {
   std::vector<uint32_t> words;
   double step = 0;
+  int64_t top_bias = 0;
 
   // False where the tile cannot run (the float tiles do): a row that is not finite, or K
   // not a multiple of 16.
@@ -364,15 +374,16 @@ struct XDigits {
     if (nan || !std::isfinite(max_abs)) return false;
     step = max_abs > 0 ? max_abs / 1073741824.0 : 0;
     const __m512d unit = _mm512_set1_pd(max_abs > 0 ? 1073741824.0 / max_abs : 0);  // 2^30/max
-    const __m512i offset = _mm512_set1_epi64(int64_t{1} << 31);
     // 16 words of 4 bytes to 4 lanes of 16: each 128-bit lane one digit of 4 quads.
     alignas(64) static constexpr auto kDigitMajor = byte_transpose(16);
     const __m512i digit_major = _mm512_load_si512(kDigitMajor.data());
     const int64_t quads = in_features / 4;
     words.resize(kDigits * quads);
+    __m512i top_sum = _mm512_setzero_si512();
     for (int64_t k = 0; k < in_features; k += 16) {
       const __m512i fixed = _mm512_inserti64x4(
-          _mm512_castsi256_si512(fixed8(x + k, unit, offset)), fixed8(x + k + 8, unit, offset), 1);
+          _mm512_castsi256_si512(fixed8(x + k, unit)), fixed8(x + k + 8, unit), 1);
+      top_sum = _mm512_add_epi32(top_sum, _mm512_srai_epi32(fixed, 24));
       const __m512i digits = _mm512_permutexvar_epi8(digit_major, fixed);
       uint32_t* out = words.data() + k / 4;
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_extracti32x4_epi32(digits, 0));
@@ -382,6 +393,7 @@ struct XDigits {
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 3 * quads),
                        _mm512_extracti32x4_epi32(digits, 3));
     }
+    top_bias = 128 * static_cast<int64_t>(_mm512_reduce_add_epi32(top_sum));
     return true;
   }
 };
@@ -409,11 +421,10 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni,avx512vbmi"))) void 
   // bytes together.
   alignas(64) static constexpr auto kTranspose = byte_transpose(4);
   const __m512i transpose = _mm512_load_si512(kTranspose.data());
-  const __m512i ones = _mm512_set1_epi8(1);
-  __m512i acc[Blocks][kDigits], sums[Blocks];
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i acc[Blocks][kDigits];
 #pragma GCC unroll 2
   for (int b = 0; b < Blocks; ++b) {
-    sums[b] = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int d = 0; d < kDigits; ++d) acc[b][d] = _mm512_setzero_si512();
   }
@@ -423,27 +434,35 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni,avx512vbmi"))) void 
     for (int b = 0; b < Blocks; ++b) {
       const int8_t* line = weight + b * stride + q * 64;
       _mm_prefetch(reinterpret_cast<const char*>(line) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(line) + kVnniL2Ahead, _MM_HINT_T1);
       if (next) _mm_prefetch(next + b * stride + q * 64, _MM_HINT_T1);
       w[b] = _mm512_permutexvar_epi8(transpose, _mm512_loadu_si512(line));
-      sums[b] = _mm512_dpbusd_epi32(sums[b], ones, w[b]);
     }
-#pragma GCC unroll 4
-    for (int d = 0; d < kDigits; ++d) {
+#pragma GCC unroll 3
+    for (int d = 0; d < kDigits - 1; ++d) {
       const __m512i digit = _mm512_set1_epi32(static_cast<int>(p.digits[d * quads + q]));
 #pragma GCC unroll 2
       for (int b = 0; b < Blocks; ++b) acc[b][d] = _mm512_dpbusd_epi32(acc[b][d], digit, w[b]);
     }
+    const __m512i top = _mm512_set1_epi32(static_cast<int>(p.digits[(kDigits - 1) * quads + q]));
+#pragma GCC unroll 2
+    for (int b = 0; b < Blocks; ++b) {
+      const __m512i unsigned_w = _mm512_xor_si512(w[b], flip);  // w + 128
+      acc[b][kDigits - 1] = _mm512_dpbusd_epi32(acc[b][kDigits - 1], unsigned_w, top);
+    }
   }
   const __m512d step = _mm512_set1_pd(p.step);
+  // The top digit's pass read each weight plus 128: 128 * sum(top digits) too much, in
+  // every column, at the top digit's place.
+  const __m512i top_bias = _mm512_set1_epi64(p.top_bias << (8 * (kDigits - 1)));
 #pragma GCC unroll 2
   for (int b = 0; b < Blocks; ++b) {
     const int64_t column = (first + b) * kBlock;
-    // sum_d 2^(8d) acc[d] - 2^31 sums, 8 columns at a time in 64 bits, then scaled.
+    // sum_d 2^(8d) acc[d] - 2^24 top_bias, 8 columns at a time in 64 bits, then scaled.
     __m256 half[2];
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
-      __m512i total = _mm512_slli_epi64(widen_half(sums[b], h), 31);
-      total = _mm512_sub_epi64(widen_half(acc[b][0], h), total);
+      __m512i total = _mm512_sub_epi64(widen_half(acc[b][0], h), top_bias);
 #pragma GCC unroll 3
       for (int d = 1; d < kDigits; ++d)
         total = _mm512_add_epi64(total, _mm512_slli_epi64(widen_half(acc[b][d], h), 8 * d));
@@ -639,6 +658,7 @@ at::Tensor skinny_matmul(const at::Tensor& x_in, const at::Tensor& weight_blocks
                     digits.make(xp, in_features);
   const uint32_t* digit_words = digits.words.data();
   const double digit_step = digits.step;
+  const int64_t digit_top_bias = digits.top_bias;
   // The panel at `block` of a run ending at `last`; `ahead`: the run's next panel is fetched
   // while it computes.
   auto compute = [&](int64_t block, int64_t last, bool ahead) {
@@ -663,7 +683,7 @@ at::Tensor skinny_matmul(const at::Tensor& x_in, const at::Tensor& weight_blocks
     }
     if (vnni) {
       p.x = xp, p.y = yp + block * kBlock;
-      p.digits = digit_words, p.step = digit_step;
+      p.digits = digit_words, p.step = digit_step, p.top_bias = digit_top_bias;
       return kVnniTiles[panel_blocks](p);
     }
     for (int64_t row = 0; p.pass < tiles; ++p.pass) {
