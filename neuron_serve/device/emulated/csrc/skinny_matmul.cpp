@@ -327,12 +327,12 @@ struct Tiles {
 // 2^31 for K < 65536), and the passes add up exactly in 64 bits. So the only rounding
 // before the scale is x's to 31 bits, and the result is closer to x . w than a chain of
 // float32 FMAs (tests/engine/test_skinny_matmul.py). A fifth pass for the weights' column
-// sums, which an unsigned top byte (x offset by 2^31) needed instead, cost 13-19 % more
+// sums, which an unsigned top byte (x offset by 2^31) needed instead, cost 5-26 % more
 // time on weights in cache (benchmarks/README.md, "Design measurements").
 constexpr int kDigits = 4;
 constexpr int64_t kMaxVnniIn = 65535;  // longer rows could overflow a 32-bit sum
 // Besides the next blocks (as tile512), each line 16 KB ahead is fetched into L2 too: from
-// memory the step's matmuls ran 4-11 % faster so (benchmarks/README.md). Near a panel's end
+// memory the step's matmuls ran 5-11 % faster so (benchmarks/README.md). Near a panel's end
 // those lines are the blocks that follow it, near a call's end whatever memory follows the
 // weight (often the next layer's; a prefetch never faults).
 constexpr int64_t kVnniL2Ahead = 16384;
