@@ -332,7 +332,7 @@ struct Tiles {
 constexpr int kDigits = 4;
 constexpr int64_t kMaxVnniIn = 65535;  // longer rows could overflow a 32-bit sum
 // Besides the next blocks (as tile512), each line 16 KB ahead is fetched into L2 too: from
-// memory the step's matmuls ran 5-11 % faster so (benchmarks/README.md). Near a panel's end
+// memory the step's matmuls ran 3-11 % faster so (benchmarks/README.md). Near a panel's end
 // those lines are the blocks that follow it, near a call's end whatever memory follows the
 // weight (often the next layer's; a prefetch never faults).
 constexpr int64_t kVnniL2Ahead = 16384;
