@@ -10,7 +10,8 @@ is made here, once per process, and logged once at INFO with what it changes and
 * `TORCHINDUCTOR_CACHE_DIR`: inside the compiled-graph cache, so that the kernels a graph
   was built from are cached, pruned and exported with it.
 * `torch.zeros`, for vLLM's one KV-cache allocation only: kv_memory.py's huge pages.
-* CPU affinity and torch's thread count of a model rank: its share of the host's cores.
+* CPU affinity, torch's thread count and inductor's compile threads of a model rank: its
+  share of the host's cores.
 * pickling a torch op (`OpOverload`): by its name.
 """
 
@@ -89,7 +90,7 @@ def share_cores(slot: int, ranks_on_host: int) -> None:
     of this process's cores; with more ranks than cores, one core each, shared."""
     cores = sorted(os.sched_getaffinity(0))
     if ranks_on_host <= 1:  # all of them: a Ray actor starts with OMP_NUM_THREADS=1
-        torch.set_num_threads(len(cores))
+        _use_cores(len(cores))
         return
     per_rank = len(cores) // ranks_on_host
     if per_rank:
@@ -99,9 +100,20 @@ def share_cores(slot: int, ranks_on_host: int) -> None:
         logger.warning("emulated backend: %d model ranks on %d cores: each runs one thread, "
                        "and ranks share cores", ranks_on_host, len(cores))
     os.sched_setaffinity(0, mine)
-    torch.set_num_threads(len(mine))
+    _use_cores(len(mine))
     logger.info("emulated backend: model rank %d of %d on this host runs on cores %s",
                 slot, ranks_on_host, mine)
+
+
+def _use_cores(n: int) -> None:
+    from torch._inductor import config as inductor_config
+
+    torch.set_num_threads(n)
+    inductor_config.compile_threads = n
+    _log_once(f"inductor compiles a graph's kernels on {n} threads",
+              "importing vLLM sets TORCHINDUCTOR_COMPILE_THREADS=1 against process pools in "
+              "daemonic processes, which C++ kernels do not use: a graph's kernels would "
+              "build one after another")
 
 
 def inductor_cache(directory: Path) -> None:
