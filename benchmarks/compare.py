@@ -100,6 +100,8 @@ def run_offline(args, model: Path, machine: dict, shape: hardware.ModelShape) ->
                     "--max-model-len", str(args.max_model_len), "--kv-cache-gb", str(args.kv_cache_gb)]
     if args.neuron_config:
         engine_flags += ["--neuron-config", args.neuron_config]
+    if args.eager:
+        engine_flags.append("--eager")
     procs = []
     try:
         for system in args.systems:
@@ -194,6 +196,8 @@ def markdown(report: dict) -> str:
              f"Command: `{report['command']}`  ",
              *([f"Resumed after a failure with: `{report['resumed']}`  "] if "resumed" in report else []),
              f"Date: {report['date']}  ",
+             *(["**Eager (--eager): no system compiled; these figures are no measure.**  "]
+               if report.get("eager") else []),
              *([f"Machine measured again after the run: {report['remeasured']}  "]
                if "remeasured" in report else []),
              f"Machine: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}, ISA "
@@ -302,6 +306,8 @@ def main() -> None:
     parser.add_argument("--online-rates", default="0.5,1,2")
     parser.add_argument("--online-requests", type=int, default=16)
     parser.add_argument("--kernels", action="store_true", help="also the attention microbenchmark")
+    parser.add_argument("--eager", action="store_true",
+                        help="no system compiles: checks the harness quickly; its figures are no measure")
     parser.add_argument("--name", default=None, help="file stem (default: the model name)")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--resume", action="store_true",
@@ -335,7 +341,8 @@ def main() -> None:
         command = " ".join(["benchmarks/compare.py", *sys.argv[1:]])
         report = dict(name=args.name, model=args.model, command=command,
                       date=time.strftime("%Y-%m-%d %H:%M"), machine=machine.as_dict(), shape=shape.__dict__,
-                      systems=args.systems, repeats=args.repeats, output=args.output)
+                      systems=args.systems, repeats=args.repeats, output=args.output,
+                      eager=args.eager)
     if "offline" not in report:
         report["offline"] = run_offline(args, model, report["machine"], shape)
         report["ratios"] = ratio_table(report["offline"])

@@ -32,17 +32,18 @@ def _free_port() -> int:
 
 class Server:
     def __init__(self, system: str, model: Path, flags: list[str], log: Path,
-                 neuron_config: str | None = None):
+                 neuron_config: str | None = None, eager: bool = False):
         self.system, self.port = system, _free_port()
         env = dict(os.environ)
         if system == "neuron":
-            cmd = [str(VENV_BIN / "neuron-serve"), "serve", str(model), "--compile-mode", "ahead"]
+            cmd = [str(VENV_BIN / "neuron-serve"), "serve", str(model), "--compile-mode",
+                   "eager" if eager else "ahead"]
             if neuron_config:
                 cmd += ["--additional-config", json.dumps({"neuron": json.loads(neuron_config)})]
         else:
             env.pop("NEURON_SERVE_DEVICE", None)
             env["VLLM_TARGET_DEVICE"] = "cpu"
-            cmd = [str(VENV_BIN / "vllm"), "serve", str(model)]
+            cmd = [str(VENV_BIN / "vllm"), "serve", str(model), *(["--enforce-eager"] if eager else [])]
         cmd += ["--port", str(self.port), "--served-model-name", "bench", "--dtype", "float32",
                 "--no-enable-prefix-caching", *flags]
         self._log = open(log, "w")
@@ -147,7 +148,7 @@ def sweep(args, model: Path) -> list[dict]:
         for system in systems:
             print(f"starting {system} server ...", flush=True)
             servers.append(Server(system, model, flags, args.logs / f"{args.name}.{system}-server.log",
-                                  args.neuron_config))
+                                  args.neuron_config, args.eager))
         runs = {(s.system, rate): [] for s in servers for rate in args.online_rates_list}
         for s in servers:  # warm-up
             asyncio.run(_load(s.base_url, 4.0, 4, args.prompts[0], 8, vocab, seed=1))

@@ -4,6 +4,7 @@
 
 SYSTEM is `neuron` (our platform, compiled), `vllm-cpu` (vLLM's own CPU backend, same
 install) or `transformers` (`generate` with a static cache and torch.compile, batched).
+`--eager` runs each without compiling: a quick check of a harness, its figures no measure.
 Each stdin line is a JSON job {"batch", "prompt", "output", "seed"}, optionally with a
 "schema" (vLLM systems: every sequence's output constrained to that JSON schema, vLLM's
 structured outputs; the schema must not end within `output` tokens); the answer is one
@@ -48,8 +49,9 @@ def vllm_engine(system: str, args: argparse.Namespace) -> Generate:
 
     # Every graph before the first measurement: the emulated device's default would start
     # eager and compile in the background.
-    ours = {"additional_config": {"neuron": {"compile_mode": "ahead", **(args.neuron_config or {})}}} \
-        if system == "neuron" else {}
+    mode = "eager" if args.eager else "ahead"
+    ours = {"additional_config": {"neuron": {"compile_mode": mode, **(args.neuron_config or {})}}} \
+        if system == "neuron" else {"enforce_eager": args.eager}
     llm = LLM(model=args.model, dtype="float32", seed=0, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30), enable_prefix_caching=False,
@@ -72,7 +74,7 @@ def transformers_generate(args: argparse.Namespace) -> Generate:
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     compile_config = CompileConfig(fullgraph=True, dynamic=False, mode="default")
-    compile_config._compile_all_devices = True  # transformers compiles on GPUs only otherwise
+    compile_config._compile_all_devices = not args.eager  # else transformers compiles on GPUs only
 
     @torch.inference_mode()
     def generate(prompts: list[list[int]], output: int) -> int:
@@ -95,6 +97,7 @@ def main() -> None:
     parser.add_argument("--neuron-config", type=json.loads, default=None)
     parser.add_argument("--quantization", default=None, help="vLLM's --quantization")
     parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's --kv-cache-dtype")
+    parser.add_argument("--eager", action="store_true", help="compile nothing (a harness check)")
     args = parser.parse_args()
 
     import transformers

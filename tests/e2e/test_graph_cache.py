@@ -3,7 +3,8 @@ scenario, counted through `/metrics`. Oracle for tokens: Transformers' greedy de
 
 The scenarios build on each other, in order: two servers racing on an empty directory;
 a third start that hits every graph; corrupted entries rebuilt; other weights of the same
-architecture hitting; and `background` mode on an empty directory.
+architecture hitting. `background` mode on an empty directory is the README's main
+command's (test_main_command.py), with Transformers' tokens in test_cold_start.py.
 """
 
 import json
@@ -150,32 +151,6 @@ def test_other_weights_of_the_same_architecture_hit_the_cache(shared_dir, logs, 
         assert counts["graph_cache_hits_total"] == NUM_BUCKETS
         assert counts["graph_cache_misses_total"] == 0
         assert_serves_transformers_tokens(server, other)
-    finally:
-        server.stop()
-
-
-def test_background_mode_serves_at_once_then_switches_to_graphs(tiny_llama, logs, tmp_path):
-    port = free_port()
-    server = start_server(serve_cmd(tiny_llama, port, tmp_path / "empty",
-                                    "--compile-mode", "background"), port, logs / "bg.log")
-    try:
-        before = metrics(server)
-        assert before["graphs_ready"] < NUM_BUCKETS  # ready before the graphs are
-        prompt = prompts()[2]
-        expected = hf_greedy(tiny_llama, prompt)  # what `ahead` serves (tests above)
-        assert completion_tokens(server, prompt) == expected
-        assert metrics(server)["eager_steps_total"] > 0
-        deadline = time.monotonic() + 300
-        while metrics(server)["graphs_ready"] < NUM_BUCKETS:
-            assert time.monotonic() < deadline, server.log_tail()
-            completion_tokens(server, [1, 2, 3])  # steps are where graphs are picked up
-            time.sleep(1)
-        eager = metrics(server)["eager_steps_total"]
-        assert completion_tokens(server, prompt) == expected
-        after = metrics(server)
-        assert after["eager_steps_total"] == eager  # every step ran a compiled graph
-        assert after["graph_cache_hits_total"] == NUM_BUCKETS  # handed over by the cache
-        assert after["graph_cache_misses_total"] == 0  # compiled by the background process
     finally:
         server.stop()
 

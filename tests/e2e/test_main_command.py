@@ -47,14 +47,22 @@ def test_main_command_answers_in_english(demo_server):
 
 def test_main_command_reaches_full_speed(demo_server):
     """Every graph compiled by the background processes and taken over by the server
-    (between steps: requests keep it stepping)."""
+    (between steps: requests keep it stepping); from then on no step runs eagerly."""
     client = openai.OpenAI(base_url=f"{demo_server.base_url}/v1", api_key="unused", max_retries=0)
-    needed = metric(demo_server.base_url, "neuron_serve:graphs_needed")
+
+    def count(name: str) -> float:
+        return metric(demo_server.base_url, f"neuron_serve:{name}")
+    needed = count("graphs_needed")
     assert needed == 9  # the demo's 17 buckets
     deadline = time.monotonic() + FULL_SPEED_BOUND_S
-    while metric(demo_server.base_url, "neuron_serve:graphs_ready") < needed:
+    while count("graphs_ready") < needed:
         assert time.monotonic() < deadline, demo_server.log_tail()
         assert "keep running eager" not in demo_server.log_path.read_text(), demo_server.log_tail()
         client.completions.create(model="demo", prompt="A tuple is", max_tokens=4)
         time.sleep(1)
-    assert metric(demo_server.base_url, "neuron_serve:graph_cache_misses_total") == 0
+    eager = count("eager_steps_total")
+    assert eager > 0  # it answered before its graphs were ready
+    client.completions.create(model="demo", prompt="A list is a sequence of", max_tokens=32)
+    assert count("eager_steps_total") == eager
+    # Handed over through the cache, compiled by the background processes.
+    assert (count("graph_cache_hits_total"), count("graph_cache_misses_total")) == (needed, 0)

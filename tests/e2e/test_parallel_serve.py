@@ -3,9 +3,10 @@
 
 * `--tensor-parallel-size 2`: the same greedy answers as one rank; a rank killed
   mid-serving stops the server (no hang), and ours says so on /health and exits 1.
-* `--data-parallel-size 2`: two engines behind one endpoint (vLLM's DP coordinator and load
-  balancing). Oracles: the same greedy requests on a server with one engine, and vLLM's
-  per-engine metrics (both engines finished requests).
+* `--data-parallel-size 2` on `neuron-serve serve`: two engines behind one endpoint (vLLM's
+  DP coordinator and load balancing). Oracles: the same greedy requests on a server with one
+  engine, and vLLM's per-engine metrics (both engines finished requests). `vllm serve`'s
+  own DP front end over our engines is test_multi_node.py's (its head there).
 
 Eager throughout: the ranks' compiled numerics are tests/engine/test_tensor_parallel.py's;
 this tests the processes and the routing."""
@@ -42,36 +43,30 @@ def tp_server(request, tiny_llama, tmp_path_factory):
     server.stop()
 
 
-@pytest.fixture(scope="module", params=["neuron-serve", "vllm-serve"])
-def dp_server(request, tiny_llama, tmp_path_factory):
-    profiles = ["--profile-dir", str(tmp_path_factory.mktemp("profiles"))] \
-        if request.param == "neuron-serve" else []
-    server = parallel_server(request.param, tiny_llama, tmp_path_factory.mktemp("logs"),
-                             ["--data-parallel-size", "2", *profiles])
-    yield request.param, server
+@pytest.fixture(scope="module")
+def dp_server(tiny_llama, tmp_path_factory):
+    server = parallel_server("neuron-serve", tiny_llama, tmp_path_factory.mktemp("logs"),
+                             ["--data-parallel-size", "2",
+                              "--profile-dir", str(tmp_path_factory.mktemp("profiles"))])
+    yield server
     server.stop()
 
 
 def test_both_engines_serve_and_answer_as_one_engine_does(dp_server, tiny_server):
-    kind, dp_server = dp_server
     texts = greedy_texts(dp_server.base_url, REQUESTS)
     per_engine = [metric(dp_server.base_url, "vllm:request_success_total", engine=str(e))
                   for e in (0, 1)]
     assert sum(per_engine) >= REQUESTS and min(per_engine) > 0, per_engine
-    if kind == "neuron-serve":  # ours, labelled as vLLM labels its own
-        ours = [metric(dp_server.base_url, "neuron_serve:real_tokens_total", engine=str(e),
-                       model_name="tiny") for e in (0, 1)]
-        assert min(ours) > 0, ours
+    ours = [metric(dp_server.base_url, "neuron_serve:real_tokens_total", engine=str(e),
+                   model_name="tiny") for e in (0, 1)]  # ours, labelled as vLLM labels its own
+    assert min(ours) > 0, ours
     assert texts == greedy_texts(tiny_server.base_url, REQUESTS)
 
 
 def test_a_profile_records_every_engine(dp_server):
-    kind, server = dp_server
-    if kind != "neuron-serve":
-        pytest.skip("/admin/profile/* is neuron-serve's; vllm serve has its own profiler")
-    assert httpx.post(f"{server.base_url}/admin/profile/start").status_code == 200
-    greedy_texts(server.base_url, REQUESTS)
-    stopped = httpx.post(f"{server.base_url}/admin/profile/stop", timeout=120).json()
+    assert httpx.post(f"{dp_server.base_url}/admin/profile/start").status_code == 200
+    greedy_texts(dp_server.base_url, REQUESTS)
+    stopped = httpx.post(f"{dp_server.base_url}/admin/profile/stop", timeout=120).json()
     traces = sorted(f["trace"] for f in stopped["files"])
     assert [t.rsplit("-", 2)[-2:] for t in traces] == \
         [["engine0", "rank0.trace.json"], ["engine1", "rank0.trace.json"]], traces
