@@ -76,9 +76,11 @@ class Device:
 
         Platform.import_kernels()
 
-    def init_worker_process(self, slot: int = 0, ranks_on_host: int = 1) -> None:
+    def init_worker_process(self, slot: int = 0, ranks_on_host: int = 1,
+                            compilers_on_host: int = 1) -> None:
         """Per-process setup before vLLM loads a model on this device: model rank `slot`
-        of the `ranks_on_host` on this host (tensor × data parallel)."""
+        of the `ranks_on_host` on this host (tensor × data parallel), or one of the
+        `compilers_on_host` processes that compile its graphs at once (background mode)."""
 
     def register_quantization(self) -> None:
         """Make the quantization methods this device adds to vLLM's known (every process,

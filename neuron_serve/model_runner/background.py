@@ -45,12 +45,13 @@ class BackgroundCompile:
         # Without the layers registered in the forward context (they hold the KV cache):
         # each child builds its own.
         compilation = vllm_config.compilation_config
+        count = max(1, min(len(graphs), workers or available_cores()))
         layers, compilation.static_forward_context = compilation.static_forward_context, {}
         try:
-            job = pickle.dumps((vllm_config, kv_cache_config, graphs, torch.get_num_threads()))
+            job = pickle.dumps((vllm_config, kv_cache_config, graphs, torch.get_num_threads(),
+                                count))
         finally:
             compilation.static_forward_context = layers
-        count = max(1, min(len(graphs), workers or available_cores()))
         processes = []
         for index in range(count):
             process = subprocess.Popen([sys.executable, "-m", JOB_MODULE, str(index)],

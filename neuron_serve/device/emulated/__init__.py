@@ -80,11 +80,12 @@ class EmulatedDevice(Device):
 
         CpuPlatform.import_kernels()
 
-    def init_worker_process(self, slot: int = 0, ranks_on_host: int = 1) -> None:
+    def init_worker_process(self, slot: int = 0, ranks_on_host: int = 1,
+                            compilers_on_host: int = 1) -> None:
         from neuron_serve.device.emulated import quantized_linear
 
         setup.worker_process()
-        setup.share_cores(slot, ranks_on_host)
+        setup.share_cores(slot, ranks_on_host, compilers_on_host)
         quantized_linear.register()  # 8-bit weights: before vLLM builds a model
 
     def register_quantization(self) -> None:

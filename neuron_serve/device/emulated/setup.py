@@ -85,12 +85,14 @@ def _pickle_op(op: torch._ops.OpOverload) -> tuple:
     return lookup_op, (f"{op._schema.name}.{op._overloadname or 'default'}",)
 
 
-def share_cores(slot: int, ranks_on_host: int) -> None:
+def share_cores(slot: int, ranks_on_host: int, compilers_on_host: int = 1) -> None:
     """Model rank `slot` of `ranks_on_host` (tensor × data parallel) runs on its own slice
-    of this process's cores; with more ranks than cores, one core each, shared."""
+    of this process's cores; with more ranks than cores, one core each, shared. Inductor
+    builds a graph's kernels on as many threads, split among `compilers_on_host` siblings
+    (background compile processes, one per core)."""
     cores = sorted(os.sched_getaffinity(0))
     if ranks_on_host <= 1:  # all of them: a Ray actor starts with OMP_NUM_THREADS=1
-        _use_cores(len(cores))
+        _use_cores(len(cores), compilers_on_host)
         return
     per_rank = len(cores) // ranks_on_host
     if per_rank:
@@ -100,17 +102,17 @@ def share_cores(slot: int, ranks_on_host: int) -> None:
         logger.warning("emulated backend: %d model ranks on %d cores: each runs one thread, "
                        "and ranks share cores", ranks_on_host, len(cores))
     os.sched_setaffinity(0, mine)
-    _use_cores(len(mine))
+    _use_cores(len(mine), compilers_on_host)
     logger.info("emulated backend: model rank %d of %d on this host runs on cores %s",
                 slot, ranks_on_host, mine)
 
 
-def _use_cores(n: int) -> None:
+def _use_cores(n: int, compilers: int) -> None:
     from torch._inductor import config as inductor_config
 
     torch.set_num_threads(n)
-    inductor_config.compile_threads = n
-    _log_once(f"inductor compiles a graph's kernels on {n} threads",
+    inductor_config.compile_threads = max(1, n // compilers)
+    _log_once(f"inductor builds a graph's kernels on {inductor_config.compile_threads} threads",
               "importing vLLM sets TORCHINDUCTOR_COMPILE_THREADS=1 against process pools in "
               "daemonic processes, which C++ kernels do not use: a graph's kernels would "
               "build one after another")
