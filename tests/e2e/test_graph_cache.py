@@ -3,8 +3,10 @@ scenario, counted through `/metrics`. Oracle for tokens: Transformers' greedy de
 
 The scenarios build on each other, in order: two servers racing on an empty directory;
 a third start that hits every graph; corrupted entries rebuilt; other weights of the same
-architecture hitting. `background` mode on an empty directory is the README's main
-command's (test_main_command.py), with Transformers' tokens in test_cold_start.py.
+architecture hitting. `background` mode on an empty directory is tested on the README's
+main command (test_main_command.py: every graph handed over through the cache, then no
+eager step), on `vllm serve` while compiling (test_cold_start.py: Transformers' tokens),
+and on an engine (test_tensor_parallel.py: Transformers' tokens through the graphs).
 """
 
 import json
