@@ -91,10 +91,11 @@ def main(index: int) -> None:
     vllm_config, kv_cache_config, graphs, threads, siblings = pickle.load(sys.stdin.buffer)
     # Siblings start on different graphs instead of queueing on the first one's lock.
     graphs = graphs[index:] + graphs[:index]
-    torch.set_num_threads(threads)  # part of every graph's key
     vllm_config.load_config.load_format = "dummy"
     dev = device.current()
     dev.init_worker_process(compilers_on_host=siblings)
+    torch.set_num_threads(threads)  # the serving rank's, part of every graph's key: after
+    # init_worker_process, which sets this process's own
     # What vLLM's WorkerBase sets for a worker's lifetime: without it the model's IR ops
     # trace as opaque custom ops that compile regions reject.
     vllm_config.kernel_config.ir_op_priority.set_default()
