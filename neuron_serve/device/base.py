@@ -122,6 +122,9 @@ class Device:
         (the emulated backend's replay.py)."""
         return None
 
+    def before_step(self, decode: bool) -> None:
+        """Called before each step's model call, with whether the step only decodes."""
+
 
 @functools.cache
 def _log_once(message: str) -> None:

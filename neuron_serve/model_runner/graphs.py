@@ -88,6 +88,7 @@ class StepGraphs:
         the inputs already in the bucket's buffers."""
         buf = self.buffers[bucket]
         fn = self.graphs.get(self.graph_of[bucket])
+        self.device.before_step(bucket.is_decode)
         self.stats.real_tokens += num_real_tokens
         self.stats.padded_tokens += bucket.num_tokens
         self.stats.bucket_steps[str(bucket)] += 1

@@ -9,6 +9,7 @@ in for the Neuron compiler. What only the CPU needs lives in this package:
     attention.py         the "cpu" attention kernel set (C++ paged attention)
     kv_memory.py         the KV cache on huge pages
     replay.py            a bucket's compiled program called straight, its arguments recorded
+    csrc/step_threads.cpp  a decode step's threads, fetching weights ahead while idle
     extension.py         builds and loads csrc/*.cpp
     inductor_strides.py  a faster answer to inductor's stride query
 """
@@ -57,6 +58,7 @@ class EmulatedDevice(Device):
         self.dispatch_key = "CPU"
         self.native_bf16 = cpu_has_native_bf16()
         self.attention_kernel = "cpu" if extension.cpu_supported() else "reference"
+        self._decode_mode = False
         setup.every_process()
 
     def total_memory_bytes(self) -> int:
@@ -155,6 +157,14 @@ class EmulatedDevice(Device):
         from neuron_serve.device.emulated import replay
 
         return replay.ProgramReplay(sizes_as_tensors=_cpp_wrapper(decode))
+
+    def before_step(self, decode: bool) -> None:
+        """Decode steps split our kernels on threads that fetch the next weights while the
+        step runs on one thread (csrc/step_threads.cpp); other steps on OpenMP's."""
+        if decode != self._decode_mode and extension.cpu_supported():
+            extension.load()
+            torch.ops.neuron_serve.set_decode_mode(decode)
+            self._decode_mode = decode
 
     def _linear_kernels(self) -> str:
         from neuron_serve.device.emulated import linear

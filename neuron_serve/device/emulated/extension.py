@@ -22,8 +22,8 @@ from neuron_serve import envs
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(_CSRC / name for name in ("skinny_matmul.cpp", "paged_attention.cpp",
-                                          "program_call.cpp"))
-HEADERS = (_CSRC / "float8.h",)
+                                          "program_call.cpp", "step_threads.cpp"))
+HEADERS = (_CSRC / "float8.h", _CSRC / "step_threads.h")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 
 

@@ -24,6 +24,7 @@
 #include <torch/library.h>
 
 #include "float8.h"
+#include "step_threads.h"
 
 #include <algorithm>
 #include <atomic>
@@ -544,7 +545,7 @@ at::Tensor paged_attention(const at::Tensor& query_in, const at::Tensor& kv_cach
   // merged; otherwise one part per token, attended in place. On two threads a lone token
   // takes little more than half its one-thread time (measured: benchmarks/README.md,
   // "Design measurements").
-  const int64_t threads = at::get_num_threads();
+  const int64_t threads = neuron_serve::step_thread_count();
   const int64_t parts = std::clamp<int64_t>(0 < tokens && tokens < threads ? threads / tokens : 1, 1,
                                              kMaxParts);
   const int64_t head_floats = s.heads * head_size;
@@ -556,7 +557,7 @@ at::Tensor paged_attention(const at::Tensor& query_in, const at::Tensor& kv_cach
   auto parts_of = [&](int64_t t) {
     return std::clamp<int64_t>((pos[t] - first_of(t) + 1) / kChunk, 1, parts);
   };
-  at::parallel_for(0, tokens * parts, 1, [&](int64_t begin, int64_t end) {
+  neuron_serve::step_parallel_for(tokens * parts, [&](int64_t begin, int64_t end) {
     Scratch scratch;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / parts, part = item % parts, n_parts = parts_of(t);
@@ -769,8 +770,8 @@ at::Tensor paged_attention_tiles(const at::Tensor& query_in, const at::Tensor& k
   const float* qp = query.const_data_ptr<float>();
   const int64_t* table = block_table.const_data_ptr<int64_t>();
   float* o = out.mutable_data_ptr<float>();
-  const int64_t threads = at::get_num_threads();
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+  const int64_t threads = neuron_serve::step_thread_count();
+  neuron_serve::step_parallel_for(threads, [&](int64_t begin, int64_t end) {
     TileScratch scratch;
     for (int64_t thread = begin; thread < end; ++thread)
       for (size_t k = thread; k < items.size(); k += threads) {

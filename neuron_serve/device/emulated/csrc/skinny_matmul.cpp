@@ -24,6 +24,7 @@
 #include <torch/library.h>
 
 #include "float8.h"
+#include "step_threads.h"
 
 #include <algorithm>
 #include <cmath>
@@ -539,7 +540,8 @@ class PanelRuns {
  public:
   PanelRuns(int64_t blocks, int64_t grain, int64_t width)
       : blocks_(blocks), width_(width),
-        count_(std::clamp<int64_t>((blocks + grain - 1) / grain, 1, at::get_num_threads())),
+        count_(std::clamp<int64_t>((blocks + grain - 1) / grain, 1,
+                                   neuron_serve::step_thread_count())),
         chunk_((blocks + count_ - 1) / count_), ends_(count_) {
     for (int64_t run = 0; run < count_; ++run) {
       const int64_t panels = (last(run) - first(run) + width_ - 1) / width_;
@@ -694,7 +696,8 @@ at::Tensor skinny_matmul(const at::Tensor& x_in, const at::Tensor& weight_blocks
       row += height;
     }
   };
-  at::parallel_for(0, runs.count(), 1, [&](int64_t begin, int64_t end) {
+  neuron_serve::note_weight_stream(wp, blocks * block_bytes);
+  neuron_serve::step_parallel_for(runs.count(), [&](int64_t begin, int64_t end) {
     int64_t block;
     for (int64_t run = begin; run < end; ++run)
       while (runs.take(run, /*front=*/true, block)) compute(block, runs.last(run), true);
