@@ -65,6 +65,7 @@ struct Ring {
 // claim never pairs one call's count with another's tasks.
 constexpr int kTaskBits = 20;
 constexpr uint64_t kTaskMask = (uint64_t{1} << kTaskBits) - 1;
+constexpr uint64_t kCallMask = (uint64_t{1} << (64 - 2 * kTaskBits)) - 1;
 constexpr uint64_t ticket(uint64_t call, uint64_t tasks, uint64_t next) {
   return call << (2 * kTaskBits) | tasks << kTaskBits | next;
 }
@@ -93,24 +94,21 @@ class StepThreads {
 
   void parallel_for(int64_t n, const std::function<void(int64_t, int64_t)>& f) {
     if (!decoding_here) return at::parallel_for(0, n, 1, f);
-    const int64_t chunk = (n + threads_ - 1) / std::max<int64_t>(1, std::min(threads_, n));
-    const int64_t tasks = n > 0 ? (n + chunk - 1) / chunk : 0;
-    if (tasks <= 1) {
-      if (n > 0) f(0, n);
+    if (n <= 1) {  // as at::parallel_for: one task runs inline
+      if (n == 1) f(0, 1);
       return;
     }
-    TORCH_CHECK(static_cast<uint64_t>(tasks) <= kTaskMask, "step_parallel_for: too many tasks");
+    const int64_t ways = std::min(threads_, n), chunk = (n + ways - 1) / ways;
+    const int64_t tasks = (n + chunk - 1) / chunk;  // at most threads_
     f_ = &f, n_ = n, chunk_ = chunk;
     done_.store(0, std::memory_order_relaxed);
-    ticket_.store(ticket(++call_, tasks, 0), std::memory_order_release);
+    call_ = (call_ + 1) & kCallMask;
+    ticket_.store(ticket(call_, tasks, 0), std::memory_order_release);
     wake();
+    run_tasks(call_, /*helper=*/false);
+    while (done_.load(std::memory_order_acquire) < tasks) _mm_pause();  // the helpers' tasks
     std::exception_ptr error;
-    try {
-      run_tasks(call_, /*helper=*/false);
-    } catch (...) {
-      error = std::current_exception();  // the helpers still run theirs: wait for them
-    }
-    while (done_.load(std::memory_order_acquire) < tasks) _mm_pause();
+    std::swap(error, error_);
     if (error) std::rethrow_exception(error);
   }
 
@@ -156,7 +154,11 @@ class StepThreads {
       if (now >> (2 * kTaskBits) != call || next >= tasks) return;
       if (!ticket_.compare_exchange_weak(now, now + 1, std::memory_order_acq_rel)) continue;
       const int64_t begin = static_cast<int64_t>(next) * chunk_;
-      (*f_)(begin, std::min(n_, begin + chunk_));
+      try {
+        (*f_)(begin, std::min(n_, begin + chunk_));
+      } catch (...) {
+        keep_error(std::current_exception());  // the caller rethrows it once all are done
+      }
       if (helper) helper_tasks_.fetch_add(1, std::memory_order_relaxed);
       done_.fetch_add(1, std::memory_order_release);
       now = ticket_.load(std::memory_order_acquire);
@@ -209,6 +211,11 @@ class StepThreads {
     return true;
   }
 
+  void keep_error(std::exception_ptr error) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!error_) error_ = error;
+  }
+
   // Until the caller has news (a task, a matmul's position, decode mode set again).
   void sleep() {
     std::unique_lock<std::mutex> lock(mutex_);
@@ -246,6 +253,7 @@ class StepThreads {
   std::atomic<int64_t> head_{0};  // how far into the endless repeat of the ring the matmuls are
   std::atomic<int64_t> helper_tasks_{0}, fetched_{0};  // for tests
   std::mutex mutex_;
+  std::exception_ptr error_;  // a task's, first of a call (under mutex_)
   std::condition_variable wake_;
   std::atomic<uint64_t> news_{0};
   std::atomic<int> sleepers_{0};
