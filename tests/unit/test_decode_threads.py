@@ -92,8 +92,9 @@ def test_helpers_take_tasks_and_fetch_the_learned_weights_ahead():
     first = weights([(1536, 576), (576, 1536), (960, 576)])
     before = stats()
     torch.ops.neuron_serve.set_decode_mode(True)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:  # a busy machine may hold the helper back a while
+    # The helper runs at the lowest priority: on a busy machine it may wait a while for a core.
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
         matmuls(first, 1)
         now = stats()
         if (now["helper_tasks"] > before["helper_tasks"]

@@ -20,6 +20,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
+#include <pthread.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -166,6 +168,10 @@ class StepThreads {
   }
 
   void helper() {
+    // The lowest priority: a host thread that wakes (vLLM's front end) takes the helper's
+    // core at once, never the step's own thread, whose part the helper's would wait on.
+    sched_param lowest{};
+    pthread_setschedparam(pthread_self(), SCHED_IDLE, &lowest);
     uint64_t seen = ticket_.load() >> (2 * kTaskBits);
     const Ring* ring = nullptr;
     int64_t cursor = 0;
