@@ -40,7 +40,8 @@ namespace {
 
 // How far the helpers fetch ahead of the running matmul. Part of a 32 MB L3 (Zen 4): the
 // weights fetched must still be cached when the matmul reaches them, past the lines the
-// matmuls stream meanwhile. 8 MB ran faster than 16 or 24 (benchmarks/README.md).
+// matmuls stream meanwhile. 8 MB ran faster than 16 or 24 (benchmarks/README.md, "Design
+// measurements").
 constexpr int64_t kAhead = int64_t{8} << 20;
 constexpr int64_t kFetchChunk = 2048;  // bytes fetched between checks for a task
 constexpr auto kIdleSleep = std::chrono::milliseconds(20);  // a helper without work sleeps
