@@ -92,7 +92,7 @@ def test_helpers_take_tasks_and_fetch_the_learned_weights_ahead():
     first = weights([(1536, 576), (576, 1536), (960, 576)])
     before = stats()
     torch.ops.neuron_serve.set_decode_mode(True)
-    # The helper runs at the lowest priority: on a busy machine it may wait a while for a core.
+    # On a busy machine the helper may wait a while for a core.
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         matmuls(first, 1)

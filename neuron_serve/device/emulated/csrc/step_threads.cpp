@@ -3,8 +3,8 @@
 // A one-sequence decode step streams every weight once (its matmuls), between stretches of
 // work on one thread: the small kernels and attention between a layer's matmuls, and the
 // host's work between steps (scheduler, sampler, runner). Under OpenMP the other cores wait
-// through those stretches, and the memory idles. In decode mode (set by the device before
-// every step, decode_threads.py) our kernels split their work across threads of our own:
+// through those stretches, and the memory idles. In decode mode (set by the emulated device
+// before each step, Device.before_step) our kernels split their work across threads of our own:
 // the calling thread and a helper per other core. A helper with no task fetches the weights
 // the step will stream next into the caches, up to kAhead bytes past the matmul that runs,
 // so the memory keeps busy while the step works on one thread. The weights' order is
@@ -20,8 +20,6 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
-#include <pthread.h>
-#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -95,7 +93,7 @@ class StepThreads {
     }
   }
 
-  void parallel_for(int64_t n, const std::function<void(int64_t, int64_t)>& f) {
+  void parallel_for(int64_t n, StepTask f) {
     if (!decoding_here) return at::parallel_for(0, n, 1, f);
     if (n <= 1) {  // as at::parallel_for: one task runs inline
       if (n == 1) f(0, 1);
@@ -169,10 +167,6 @@ class StepThreads {
   }
 
   void helper() {
-    // The lowest priority: a host thread that wakes (vLLM's front end) takes the helper's
-    // core at once, never the step's own thread, whose part the helper's would wait on.
-    sched_param lowest{};
-    pthread_setschedparam(pthread_self(), SCHED_IDLE, &lowest);
     uint64_t seen = ticket_.load() >> (2 * kTaskBits);
     const Ring* ring = nullptr;
     int64_t cursor = 0;
@@ -243,7 +237,7 @@ class StepThreads {
   // The calling thread's state (one thread runs a process's steps).
   int64_t threads_ = 1;
   int omp_threads_ = 1;
-  const std::function<void(int64_t, int64_t)>* f_ = nullptr;
+  const StepTask* f_ = nullptr;  // the running parallel_for's, on its caller's stack
   int64_t n_ = 0, chunk_ = 1;
   uint64_t call_ = 0;
   std::unique_ptr<Ring> learning_;
@@ -281,7 +275,7 @@ std::vector<int64_t> decode_thread_stats() { return state().stats(); }
 
 int64_t step_thread_count() { return state().count(); }
 
-void step_parallel_for(int64_t n, const std::function<void(int64_t, int64_t)>& f) {
+void step_parallel_for(int64_t n, StepTask f) {
   state().parallel_for(n, f);
 }
 
