@@ -1,6 +1,7 @@
 """The decode matmul kernel (emulated backend, skinny_matmul.cpp) against `x @ W.T + b`:
 every row-tile height of its AVX2 and its AVX-512 tiles (with and without prefetching), the
-VNNI tile of one row of INT8 weights and how close its integer sums come to float64,
+VNNI tile of one row of INT8 weights and how close its integer sums come to float64, the
+BF16 tile of one row of e4m3 weights (every byte value, x unrounded),
 widths that are not a multiple of its 16-column blocks (200 outputs: two threads take 7 and
 6 blocks, each ending in a short panel), eager and compiled, and the errors it gives for
 weights that do not fit."""
@@ -147,6 +148,67 @@ def test_int8_at_one_row_of_zeros_or_not_finite_values(vnni):
         x[0, 3] = bad
         expected = x @ (weight.float() * scale[:, None]).T + bias
         out = skinny_matmul.skinny_matmul(x, blocks, bias, 48, packed_scale)
+        torch.testing.assert_close(out, expected, equal_nan=True)
+
+
+@pytest.fixture
+def bf16(vnni):
+    if not torch.cpu._is_avx512_bf16_supported():
+        pytest.skip("this CPU has no AVX-512 BF16")
+
+
+def e4m3_bytes(values: torch.Tensor) -> torch.Tensor:
+    return values.to(torch.uint8).view(torch.float8_e4m3fn)
+
+
+def test_e4m3_at_one_row_reads_every_byte_and_all_of_x(bf16):
+    """The BF16 tile's lookup gives every e4m3 value but the NaN exactly (subnormals and
+    signs too), and x reaches the products unrounded: column c holds byte c alone, so its
+    output is one product, x's 24 significant bits times the byte's value, where x rounded
+    to bfloat16 would be 2^-9 off."""
+    torch.manual_seed(3)
+    codes = torch.arange(256)
+    codes[(codes & 0x7F) == 0x7F] = 0  # the NaNs
+    weight = e4m3_bytes(torch.diag(codes))
+    x = (1 + torch.rand(1, 256)) * torch.where(torch.rand(1, 256) < 0.5, -1.0, 1.0)
+    scale = torch.ones(256)
+    out = skinny_matmul.skinny_matmul(x, skinny_matmul.pack_weight(weight), None, 256,
+                                      skinny_matmul.pack_scale(scale, torch.float8_e4m3fn))
+    expected = x.double() * e4m3_bytes(codes).double()
+    torch.testing.assert_close(out.double(), expected, rtol=2.0 ** -22, atol=0)
+
+
+@pytest.mark.parametrize("out_features,in_features", [(200, 96), (1536, 576), (576, 1540)])
+def test_e4m3_at_one_row_carries_only_float32_sums_roundings(out_features, in_features, bf16):
+    """The BF16 tile against float64, with an outlier 10^4 times the rest in x, on whole rows
+    and on one that is not a multiple of 16 long. Its products are exact (x in three exact
+    bfloat16 pieces), so the error is its float32 sums': chains of K additions, within the
+    textbook bound K u sum |x w| (u = 2^-24). x rounded to bfloat16 once would be ~2^-9 of
+    that sum away, 2^15 u."""
+    torch.manual_seed(out_features)
+    weight, scale = quantized(torch.randn(out_features, in_features), torch.float8_e4m3fn)
+    dequantized = weight.double() * scale.double()[:, None]
+    bias = torch.randn(out_features)
+    x = torch.randn(1, in_features)
+    x[0, 7] = 1e4
+    out = skinny_matmul.skinny_matmul(x, skinny_matmul.pack_weight(weight), bias, out_features,
+                                      skinny_matmul.pack_scale(scale, torch.float8_e4m3fn))
+    expected = x.double() @ dequantized.T + bias.double()
+    bound = in_features * 2.0 ** -24 * (x.double().abs() @ dequantized.abs().T + bias.abs())
+    assert ((out.double() - expected).abs() <= bound).all()
+
+
+def test_e4m3_at_one_row_of_not_finite_values(bf16):
+    """A NaN or an infinity in x reaches the outputs as a float matmul would carry it (such
+    a row runs on the float tiles, as does one too large for bfloat16)."""
+    weight, scale = quantized(torch.randn(48, 64), torch.float8_e4m3fn)
+    blocks = skinny_matmul.pack_weight(weight)
+    packed_scale = skinny_matmul.pack_scale(scale, torch.float8_e4m3fn)
+    for bad in (float("nan"), float("inf"), 3.4e38):
+        x = torch.randn(1, 64)
+        x[0, 3] = bad
+        expected = x @ (weight.float() * scale[:, None]).T
+        out = skinny_matmul.skinny_matmul(x, blocks, None, 48, packed_scale)
         torch.testing.assert_close(out, expected, equal_nan=True)
 
 

@@ -100,6 +100,7 @@ struct Panel {
   const void* next;     // the next panel, fetched into L2 while this one computes, or null
   int64_t pass, passes; // this call is row tile `pass` of `passes` over the same panel
   const uint32_t* digits = nullptr;  // int8 VNNI tile: x's fixed-point digits (XDigits)
+  const uint32_t* x_pairs = nullptr; // e4m3 BF16 tile: x's bfloat16 pieces (XPieces)
   double step = 0;                   // and the value of one unit of that fixed point
   int64_t top_bias = 0;              // and what its top digit's pass adds to each column
 };
@@ -336,7 +337,7 @@ constexpr int64_t kMaxVnniIn = 65535;  // longer rows could overflow a 32-bit su
 // memory the step's matmuls ran 3-11 % faster so (benchmarks/README.md). Near a panel's end
 // those lines are the blocks that follow it, near a call's end whatever memory follows the
 // weight (often the next layer's; a prefetch never faults).
-constexpr int64_t kVnniL2Ahead = 16384;
+constexpr int64_t kL2Ahead = 16384;
 
 // VPERMB indices that transpose 64 bytes held as `rows` rows: byte c * rows + r of the
 // result is byte r * (64 / rows) + c of the source.
@@ -435,7 +436,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni,avx512vbmi"))) void 
     for (int b = 0; b < Blocks; ++b) {
       const int8_t* line = weight + b * stride + q * 64;
       _mm_prefetch(reinterpret_cast<const char*>(line) + kPrefetchBytes, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(line) + kVnniL2Ahead, _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(line) + kL2Ahead, _MM_HINT_T1);
       if (next) _mm_prefetch(next + b * stride + q * 64, _MM_HINT_T1);
       w[b] = _mm512_permutexvar_epi8(transpose, _mm512_loadu_si512(line));
     }
@@ -487,13 +488,150 @@ void tile_vnni(const Panel& p) {
 constexpr TileFn kVnniTiles[kMaxBlocks512 + 1] = {nullptr, tile_vnni<1>, tile_vnni<2>,
                                                   tile_vnni<3>, tile_vnni<4>};
 
+// e4m3 weights at one row, on AVX-512 BF16: float dot products of pairs instead of widening.
+//
+// The float tiles widen e4m3 to floats in five instructions per 32 weights before their
+// FMAs; at one row that bounds them below the memory's pace, as widening bounded INT8
+// before VNNI. VDPBF16PS multiplies 32 pairs of bfloat16s and adds each pair's two products
+// to a float32 sum: 16 columns times two rows of k per instruction. A weight byte becomes
+// its bfloat16 by two table lookups (VPERMI2B: the half's low and high bytes, by the byte's
+// 7 magnitude bits; the sign is OR-ed in), subnormals included, so 64 weights cost a
+// permute, two lookups, a logic op and two unpacks.
+//
+// x is not rounded to bfloat16: its row is written as three bfloat16 pieces that add up to
+// it exactly (8 + 8 + 8 significant bits), one pass over the weights each. The products are
+// exact in float32, so the sums carry only float32's roundings, as the float tiles' FMAs do.
+constexpr int kPieces = 3;
+
+// e4m3 magnitude `m` (7 bits) times 2^-8 as a bfloat16: the float tiles' reading
+// (float8.h), so the same column scales apply; the NaN reads 480 as there.
+constexpr uint16_t e4m3_bf16(int m) {
+  if (m == 0x7F) return (127 << 7) | 0x70;                    // 480 * 2^-8 = 1.875
+  const int exponent = m >> 3, mantissa = m & 7;
+  if (exponent) return static_cast<uint16_t>(((exponent + 112) << 7) | (mantissa << 4));
+  if (!mantissa) return 0;
+  const int top = mantissa >= 4 ? 2 : mantissa >= 2 ? 1 : 0;  // mantissa * 2^-17
+  return static_cast<uint16_t>(((110 + top) << 7) | ((mantissa - (1 << top)) << (7 - top)));
+}
+
+// The lookup tables: byte `half` (0 low, 1 high) of each magnitude's bfloat16.
+constexpr std::array<uint8_t, 128> e4m3_bf16_bytes(int half) {
+  std::array<uint8_t, 128> bytes{};
+  for (int m = 0; m < 128; ++m) bytes[m] = static_cast<uint8_t>(e4m3_bf16(m) >> (8 * half));
+  return bytes;
+}
+
+// VPERMB indices that order a block's 4 rows of k (64 bytes) for the unpacks: after them,
+// 32-bit lane c of the first register holds column c's weights at k and k + 1, of the
+// second at k + 2 and k + 3. Unpacking interleaves the low (high) 8 bytes of each 128-bit
+// lane, so source byte 16 (e / 8) + e % 8 (+ 8) becomes pair element e.
+constexpr std::array<uint8_t, 64> bf16_pair_order() {
+  std::array<uint8_t, 64> index{};
+  for (int e = 0; e < 32; ++e) {
+    index[16 * (e / 8) + e % 8] = static_cast<uint8_t>(e % 2 * 16 + e / 2);
+    index[16 * (e / 8) + 8 + e % 8] = static_cast<uint8_t>((2 + e % 2) * 16 + e / 2);
+  }
+  return index;
+}
+
+// x's row as the BF16 tile reads it: piece p of k and k + 1 in one 32-bit word,
+// words[p * K / 2 + k / 2].
+struct XPieces {
+  std::vector<uint32_t> words;
+
+  // False where the tile cannot run (the float tiles do): a value that is not finite or
+  // out of bfloat16's range, or K not a multiple of 4.
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16"))) bool make(
+      const float* x, int64_t in_features) {
+    if (in_features % 4) return false;
+    const int64_t pairs = in_features / 2;
+    words.resize(kPieces * pairs);
+    __mmask16 bad = 0;
+    for (int64_t k = 0; k < in_features; k += 16) {
+      const __mmask16 valid = in_features - k >= 16 ? 0xFFFF : (1u << (in_features - k)) - 1;
+      __m512 rest = _mm512_maskz_loadu_ps(valid, x + k);
+      for (int piece = 0; piece < kPieces; ++piece) {
+        const __m256bh half = _mm512_cvtneps_pbh(rest);
+        const __m512 value = _mm512_cvtpbh_ps(half);
+        if (piece == 0) bad |= _mm512_fpclass_ps_mask(value, 0x99);  // NaN or infinity
+        rest = _mm512_sub_ps(rest, value);
+        _mm256_mask_storeu_epi16(words.data() + piece * pairs + k / 2, valid,
+                                 reinterpret_cast<__m256i>(half));
+      }
+    }
+    return !bad;
+  }
+};
+
+// y[0, :] of one row for a panel's `Blocks` e4m3 blocks (see above), prefetching as the VNNI
+// tile does.
+template <int Blocks>
+__attribute__((target("avx512f,avx512bw,avx512vbmi,avx512bf16"))) void tile_bf16(
+    const Panel& p) {
+  const int64_t stride = p.in_features * kBlock;
+  const uint8_t* weight = static_cast<const uint8_t*>(p.weight);
+  const char* next = static_cast<const char*>(p.next);
+  alignas(64) static constexpr auto kLow = e4m3_bf16_bytes(0), kHigh = e4m3_bf16_bytes(1);
+  alignas(64) static constexpr auto kOrder = bf16_pair_order();
+  const __m512i low0 = _mm512_load_si512(kLow.data()), low1 = _mm512_load_si512(kLow.data() + 64);
+  const __m512i high0 = _mm512_load_si512(kHigh.data());
+  const __m512i high1 = _mm512_load_si512(kHigh.data() + 64);
+  const __m512i order = _mm512_load_si512(kOrder.data());
+  const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int64_t pairs = p.in_features / 2;
+  __m512 acc[Blocks][kPieces];
+#pragma GCC unroll 4
+  for (int b = 0; b < Blocks; ++b) {
+#pragma GCC unroll 3
+    for (int piece = 0; piece < kPieces; ++piece) acc[b][piece] = _mm512_setzero_ps();
+  }
+  for (int64_t q = 0; q < p.in_features / 4; ++q) {
+    __m512bh w01[Blocks], w23[Blocks];  // rows k, k + 1 and k + 2, k + 3 of each column
+#pragma GCC unroll 4
+    for (int b = 0; b < Blocks; ++b) {
+      const uint8_t* line = weight + b * stride + q * 64;
+      _mm_prefetch(reinterpret_cast<const char*>(line) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(line) + kL2Ahead, _MM_HINT_T1);
+      if (next) _mm_prefetch(next + b * stride + q * 64, _MM_HINT_T1);
+      const __m512i bytes = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(line));
+      const __m512i low = _mm512_permutex2var_epi8(low0, bytes, low1);
+      const __m512i high = _mm512_ternarylogic_epi32(  // table | (byte & 0x80)
+          _mm512_permutex2var_epi8(high0, bytes, high1), bytes, sign, 0xF8);
+      w01[b] = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi8(low, high));
+      w23[b] = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi8(low, high));
+    }
+#pragma GCC unroll 3
+    for (int piece = 0; piece < kPieces; ++piece) {
+      const uint32_t* x = p.x_pairs + piece * pairs + 2 * q;
+      const __m512bh x01 = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x[0])));
+      const __m512bh x23 = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x[1])));
+#pragma GCC unroll 4
+      for (int b = 0; b < Blocks; ++b)
+        acc[b][piece] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[b][piece], w01[b], x01), w23[b], x23);
+    }
+  }
+#pragma GCC unroll 4
+  for (int b = 0; b < Blocks; ++b) {
+    const int64_t column = b * kBlock;
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[b][0], acc[b][1]), acc[b][2]);
+    const __m512 bias = p.bias ? _mm512_loadu_ps(p.bias + column) : _mm512_setzero_ps();
+    const __m512 out = _mm512_fmadd_ps(sum, _mm512_loadu_ps(p.scale + column), bias);
+    const int64_t valid = std::clamp<int64_t>(p.columns - column, 0, kBlock);
+    _mm512_mask_storeu_ps(p.y + column, valid == kBlock ? 0xFFFF : (1u << valid) - 1, out);
+  }
+}
+
+constexpr TileFn kBf16Tiles[kMaxBlocks512 + 1] = {nullptr, tile_bf16<1>, tile_bf16<2>,
+                                                  tile_bf16<3>, tile_bf16<4>};
+
 enum class Format { kFloat32, kInt8, kE4M3 };
 
 // The tiles a call runs: AVX-512's (panels of 3-4 blocks) or AVX2's (one block), and at one
-// row of INT8 weights the VNNI tile where the CPU has it.
+// row the dot-product tiles where the CPU has them: VNNI for INT8, BF16 for e4m3.
 struct Kernel {
   bool avx512;
   bool vnni;
+  bool bf16;
   Format format = Format::kFloat32;
 
   int64_t max_tile_rows() const { return avx512 ? kMaxTileRows512 : kMaxTileRows; }
@@ -585,10 +723,15 @@ Kernel pick_kernel() {
   static const bool vnni = avx512 && __builtin_cpu_supports("avx512dq") &&
                            __builtin_cpu_supports("avx512vnni") &&
                            __builtin_cpu_supports("avx512vbmi");
-  return {avx512 && isa_limit >= 1, vnni && isa_limit >= 2};
+  static const bool bf16 = avx512 && __builtin_cpu_supports("avx512vl") &&
+                           __builtin_cpu_supports("avx512dq") &&
+                           __builtin_cpu_supports("avx512bf16") &&
+                           __builtin_cpu_supports("avx512vbmi");
+  return {avx512 && isa_limit >= 1, vnni && isa_limit >= 2, bf16 && isa_limit >= 2};
 }
 
 // Which tiles run, at most `limit` ("avx2", "avx512" or "avx512-vnni"): the one this CPU has.
+// "avx512-vnni" is AVX-512 with its dot-product tiles (VNNI, and BF16 where the CPU has it).
 std::string skinny_matmul_isa(const std::string& limit) {
   static const std::array<std::string, 3> names = {"avx2", "avx512", "avx512-vnni"};
   const auto named = std::find(names.begin(), names.end(), limit);
@@ -658,7 +801,11 @@ at::Tensor skinny_matmul(const at::Tensor& x_in, const at::Tensor& weight_blocks
   thread_local XDigits digits;  // this (the calling) thread's; the tiles get its pointer
   const bool vnni = kernel.vnni && kernel.format == Format::kInt8 && rows == 1 &&
                     digits.make(xp, in_features);
+  thread_local XPieces pieces;
+  const bool bf16 = kernel.bf16 && kernel.format == Format::kE4M3 && rows == 1 &&
+                    pieces.make(xp, in_features);
   const uint32_t* digit_words = digits.words.data();
+  const uint32_t* piece_words = pieces.words.data();
   const double digit_step = digits.step;
   const int64_t digit_top_bias = digits.top_bias;
   // The panel at `block` of a run ending at `last`; `ahead`: the run's next panel is fetched
@@ -687,6 +834,10 @@ at::Tensor skinny_matmul(const at::Tensor& x_in, const at::Tensor& weight_blocks
       p.x = xp, p.y = yp + block * kBlock;
       p.digits = digit_words, p.step = digit_step, p.top_bias = digit_top_bias;
       return kVnniTiles[panel_blocks](p);
+    }
+    if (bf16) {
+      p.x_pairs = piece_words, p.y = yp + block * kBlock;
+      return kBf16Tiles[panel_blocks](p);
     }
     for (int64_t row = 0; p.pass < tiles; ++p.pass) {
       const int64_t height = (rows - row) / (tiles - p.pass);
