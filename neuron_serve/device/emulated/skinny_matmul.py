@@ -6,7 +6,8 @@ must keep both busy at once. oneDNN's matmul on a prepacked weight streams the w
 below the memory's pace at those sizes; `skinny_matmul.cpp` streams it closer to that pace,
 with AVX-512 tiles (up to 8 rows x 48 or 6 x 64 columns, prefetching the weight ahead) where
 the CPU has them, and is faster than oneDNN at decode sizes. One row of INT8 weights runs as
-integer dot products on AVX-512 VNNI, widening no weight to a float. Its lead shrinks as the rows
+integer dot products on AVX-512 VNNI, widening no weight to a float, and one row of e4m3
+weights as bfloat16 dot products on AVX-512 BF16. Its lead shrinks as the rows
 grow and the FMAs take over, until oneDNN catches up: sooner on AVX2 than on AVX-512
 (measured per weight shape of SmolLM2 with `benchmarks/linear_bench.py`:
 benchmarks/README.md, "Design measurements").

@@ -13,7 +13,8 @@
 // scale per output column: a block's 16 weights are widened to floats as they are loaded,
 // and the sums are scaled once at the end. The memory reads a quarter of float32's bytes.
 // With many rows (a prefill) a panel is widened once into scratch for all its row tiles;
-// at one row, INT8 runs as integer dot products where the CPU has AVX-512 VNNI (tile_vnni).
+// at one row, INT8 runs as integer dot products where the CPU has AVX-512 VNNI (tile_vnni),
+// e4m3 as bfloat16 dot products where it has AVX-512 BF16 (tile_bf16).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
