@@ -90,8 +90,13 @@ def test_openmp_runs_on_one_thread_in_decode_mode_and_gets_its_threads_back():
 
 def test_helpers_take_tasks_and_fetch_the_learned_weights_ahead():
     first = weights([(1536, 576), (576, 1536), (960, 576)])
-    before = stats()
     torch.ops.neuron_serve.set_decode_mode(True)
+    # Learned once the step comes round; an earlier test's weights may have had these
+    # addresses, so three rounds, and only then the counts.
+    for _ in range(3):
+        matmuls(first, 1)
+    assert stats()["ring_weights"] == 3, "the step's three weights, learned in their order"
+    before = stats()
     # On a busy machine the helper may wait a while for a core.
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -100,7 +105,7 @@ def test_helpers_take_tasks_and_fetch_the_learned_weights_ahead():
         if (now["helper_tasks"] > before["helper_tasks"]
                 and now["fetched_bytes"] > before["fetched_bytes"]):
             break
-    assert now["ring_weights"] == 3, "the step's three weights, learned in their order"
+    assert now["ring_weights"] == 3
     assert now["helper_tasks"] > before["helper_tasks"], "the helper never took a task"
     assert now["fetched_bytes"] > before["fetched_bytes"], "the helper never fetched ahead"
     second = weights([(576, 576), (192, 576)])  # another model's weights: a new ring
