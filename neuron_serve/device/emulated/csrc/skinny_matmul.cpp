@@ -340,6 +340,14 @@ constexpr int64_t kMaxVnniIn = 65535;  // longer rows could overflow a 32-bit su
 // weight (often the next layer's; a prefetch never faults).
 constexpr int64_t kL2Ahead = 16384;
 
+// The one-row dot-product tiles' prefetches at a weight cache line they load: the line
+// 2 KB ahead into L1, 16 KB ahead into L2, and `next_line` (the next blocks', or null).
+inline void prefetch_around(const char* line, const char* next_line) {
+  _mm_prefetch(line + kPrefetchBytes, _MM_HINT_T0);
+  _mm_prefetch(line + kL2Ahead, _MM_HINT_T1);
+  if (next_line) _mm_prefetch(next_line, _MM_HINT_T1);
+}
+
 // VPERMB indices that transpose 64 bytes held as `rows` rows: byte c * rows + r of the
 // result is byte r * (64 / rows) + c of the source.
 constexpr std::array<uint8_t, 64> byte_transpose(int rows) {
@@ -436,9 +444,8 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni,avx512vbmi"))) void 
 #pragma GCC unroll 2
     for (int b = 0; b < Blocks; ++b) {
       const int8_t* line = weight + b * stride + q * 64;
-      _mm_prefetch(reinterpret_cast<const char*>(line) + kPrefetchBytes, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(line) + kL2Ahead, _MM_HINT_T1);
-      if (next) _mm_prefetch(next + b * stride + q * 64, _MM_HINT_T1);
+      prefetch_around(reinterpret_cast<const char*>(line),
+                      next ? next + b * stride + q * 64 : nullptr);
       w[b] = _mm512_permutexvar_epi8(transpose, _mm512_loadu_si512(line));
     }
 #pragma GCC unroll 3
@@ -564,8 +571,7 @@ struct XPieces {
   }
 };
 
-// y[0, :] of one row for a panel's `Blocks` e4m3 blocks (see above), prefetching as the VNNI
-// tile does.
+// y[0, :] of one row for a panel's `Blocks` e4m3 blocks (see above).
 template <int Blocks>
 __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512bf16"))) void tile_bf16(
     const Panel& p) {
@@ -591,9 +597,8 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512bf16"))) void tile_bf16
 #pragma GCC unroll 4
     for (int b = 0; b < Blocks; ++b) {
       const uint8_t* line = weight + b * stride + q * 64;
-      _mm_prefetch(reinterpret_cast<const char*>(line) + kPrefetchBytes, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(line) + kL2Ahead, _MM_HINT_T1);
-      if (next) _mm_prefetch(next + b * stride + q * 64, _MM_HINT_T1);
+      prefetch_around(reinterpret_cast<const char*>(line),
+                      next ? next + b * stride + q * 64 : nullptr);
       const __m512i bytes = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(line));
       const __m512i low = _mm512_permutex2var_epi8(low0, bytes, low1);
       const __m512i high = _mm512_ternarylogic_epi32(  // table | (byte & 0x80)
