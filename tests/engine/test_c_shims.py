@@ -93,3 +93,27 @@ def test_a_profiler_sees_the_c_entries_of_a_compiled_graph(inputs):
     names = [event.name for event in prof.events()]
     assert names.count("neuron_serve::skinny_matmul") == 1
     assert names.count("neuron_serve::paged_attention") == 1
+
+
+def test_decode_graph_kernels_open_no_openmp_region():
+    """Decode steps run OpenMP on one thread (csrc/step_threads.cpp), so a decode graph's
+    own kernels are built for one and open no parallel region; a mixed graph's use torch's
+    threads."""
+    from torch._inductor.utils import run_and_get_code
+
+    def gated(a, b):
+        return torch.nn.functional.silu(a) * b
+
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(1, 1536, generator=gen), torch.randn(1, 1536, generator=gen)
+    for decode in (True, False):
+        torch._dynamo.reset()
+        compiled = torch.compile(gated, fullgraph=True, dynamic=False,
+                                 options=EmulatedDevice().graph_options(decode=decode))
+        out, code = run_and_get_code(compiled, a, b)
+        regions = sum(source.count("#pragma omp parallel") for source in code)
+        if decode:
+            assert regions == 0
+        elif torch.get_num_threads() > 1:
+            assert regions > 0
+        torch.testing.assert_close(out, gated(a, b))

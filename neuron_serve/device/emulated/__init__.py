@@ -142,8 +142,15 @@ class EmulatedDevice(Device):
         ~500 checks of every input's and kernel output's sizes and strides re-prove on every
         call what is known, a visible share of a 1-sequence decode step (measured: benchmarks/README.md,
         "Design measurements"). For the same reason the C++ wrapper calls our kernels'
-        C entries directly (extension.c_shims), not through the dispatcher."""
+        C entries directly (extension.c_shims), not through the dispatcher.
+
+        Decode graphs' own kernels (norms, rotary, SiLU) run on one thread: decode steps run
+        OpenMP on one (csrc/step_threads.cpp), where a kernel built for more still opens a
+        parallel region each call, and libgomp's barrier makes a futex call each time, about
+        thirty a step. Inductor writes no region for one thread."""
         options: dict = {"size_asserts": False}
+        if decode:
+            options["cpp.threads"] = 1
         if _cpp_wrapper(decode):
             options["cpp_wrapper"] = True
             if extension.cpu_supported():
