@@ -144,10 +144,11 @@ class EmulatedDevice(Device):
         "Design measurements"). For the same reason the C++ wrapper calls our kernels'
         C entries directly (extension.c_shims), not through the dispatcher.
 
-        Decode graphs' own kernels (norms, rotary, SiLU) run on one thread: decode steps run
-        OpenMP on one (csrc/step_threads.cpp), where a kernel built for more still opens a
-        parallel region each call, and libgomp's barrier makes a futex call each time, about
-        thirty a step. Inductor writes no region for one thread."""
+        Decode graphs' own kernels are built for one thread: decode steps run OpenMP on one
+        (csrc/step_threads.cpp), yet a kernel built for more (each layer's SiLU) opened a
+        parallel region on every call, and libgomp's barrier made most of the step's futex
+        calls (measured: benchmarks/README.md, "8-bit weights and KV cache"). Inductor writes
+        no region for one thread."""
         options: dict = {"size_asserts": False}
         if decode:
             options["cpp.threads"] = 1
